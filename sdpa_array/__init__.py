@@ -1,0 +1,12 @@
+"""Scaled dot-product attention written once against the Python Array API standard.
+
+The one public function, :func:`scaled_dot_product_attention`, runs on the arrays the caller
+holds (NumPy, CuPy, torch, JAX, Dask, array-api-strict) and returns arrays of the same
+library, dtype and device. :mod:`sdpa_array.reference` is an independent float64 NumPy oracle
+with the same arguments.
+"""
+
+from ._api import scaled_dot_product_attention
+
+__all__ = ["scaled_dot_product_attention"]
+__version__ = "0.1.0"

@@ -1,0 +1,279 @@
+"""Validation of the public arguments into one immutable :class:`Problem`.
+
+Every check runs here, before any array work, and every error names the argument(s) and the
+shapes or dtypes involved. The implementations receive a :class:`Problem` and can trust it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from ._compat import array_namespace, device
+from ._positions import Positions
+
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A validated attention call: shapes, dtypes and options, nothing computed yet.
+
+    Attributes
+    ----------
+    xp : module
+        Array-API namespace of the inputs.
+    device : object
+        Device of the inputs; every array the implementations create is placed there.
+    dtype : dtype
+        The shared dtype of query, key and value (and of the output).
+    compute_dtype : dtype
+        Dtype for scores, softmax and accumulation: ``dtype`` if it has at least 32 bits,
+        else float32.
+    batch_shape : tuple of int
+        Broadcast leading shape of the output, heads axis included (``(..., Hq)``).
+    L, S, E, Ev : int
+        Query length, key length, query/key width, value width.
+    heads_q, heads_kv : int
+        Head counts on axis -3 (1 when the inputs have no heads axis).
+    groups : int
+        Query heads per key/value head when ``enable_gqa`` (else 1).
+    scale : float
+        Multiplier of ``Q Kᵀ``.
+    softcap : float or None
+        Tanh soft-capping of the scaled scores.
+    positions : Positions
+        Causal/window restrictions with the diagonal offset from ``alignment``.
+    """
+
+    xp: ModuleType
+    device: Any
+    dtype: Any
+    compute_dtype: Any
+    batch_shape: tuple[int, ...]
+    L: int
+    S: int
+    E: int
+    Ev: int
+    heads_q: int
+    heads_kv: int
+    groups: int
+    scale: float
+    softcap: float | None
+    positions: Positions
+    enable_gqa: bool
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return (*self.batch_shape, self.L, self.Ev)
+
+    @property
+    def score_shape(self) -> tuple[int, ...]:
+        return (*self.batch_shape, self.L, self.S)
+
+    @property
+    def grouped(self) -> bool:
+        """Whether query heads share key/value heads (GQA with more than one group)."""
+        return self.enable_gqa and self.groups > 1
+
+
+def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(n) for n in np.broadcast_shapes(*shapes))
+    except ValueError:
+        return None
+
+
+def _positive_finite(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    result = float(value)
+    if not (math.isfinite(result) and result > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return result
+
+
+def _window(window: Any) -> tuple[int | None, int | None] | None:
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a pair (left, right) of ints or None, got {window!r}")
+    sides: list[int | None] = []
+    for side_name, side in zip(("left", "right"), window, strict=True):
+        if side is None:
+            sides.append(None)
+            continue
+        if isinstance(side, bool):
+            raise TypeError(f"window {side_name} size must be an int or None, got {side!r}")
+        try:
+            size = operator.index(side)
+        except TypeError:
+            raise TypeError(
+                f"window {side_name} size must be an int or None, got {type(side).__name__}"
+            ) from None
+        if size < 0:
+            raise ValueError(f"window {side_name} size must be non-negative, got {size}")
+        sides.append(size)
+    return sides[0], sides[1]
+
+
+def _check_dtypes(xp: ModuleType, query: Any, key: Any, value: Any, mask: Any, bias: Any) -> None:
+    named = {"query": query, "key": key, "value": value}
+    for name, arr in named.items():
+        if not xp.isdtype(arr.dtype, "real floating"):
+            raise TypeError(
+                f"{name} must have a real floating dtype (float16, bfloat16, float32, float64), "
+                f"got {arr.dtype}"
+            )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            "query, key and value must share one dtype, got "
+            f"query {query.dtype}, key {key.dtype}, value {value.dtype}"
+        )
+    if mask is not None and not xp.isdtype(mask.dtype, "bool"):
+        raise TypeError(
+            f"mask must be boolean (True = may attend), got dtype {mask.dtype}; "
+            "use bias for additive floating masks"
+        )
+    if bias is not None and not xp.isdtype(bias.dtype, "real floating"):
+        raise TypeError(f"bias must have a real floating dtype, got {bias.dtype}")
+
+
+def _batch_shape(
+    query: Any, key: Any, value: Any, enable_gqa: bool
+) -> tuple[tuple[int, ...], int, int, int]:
+    """Return (batch_shape, heads_q, heads_kv, groups) or raise ValueError."""
+    qs, ks, vs = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    shapes = f"query {qs}, key {ks}, value {vs}"
+    if enable_gqa:
+        if min(len(qs), len(ks), len(vs)) < 3:
+            raise ValueError(
+                "enable_gqa=True needs a heads axis (-3) on query, key and value, got " + shapes
+            )
+        hq, hk, hv = qs[-3], ks[-3], vs[-3]
+        if hk != hv:
+            raise ValueError(f"key and value must have the same number of heads, got {shapes}")
+        if hk == 0 or hq % hk:
+            raise ValueError(
+                f"enable_gqa=True needs query heads ({hq}) to be a multiple of key/value heads "
+                f"({hk}); got {shapes}"
+            )
+        outer = _broadcast(qs[:-3], ks[:-3], vs[:-3])
+        if outer is None:
+            raise ValueError(f"batch axes of query, key and value do not broadcast: {shapes}")
+        return (*outer, hq), hq, hk, hq // hk
+    batch = _broadcast(qs[:-2], ks[:-2], vs[:-2])
+    if batch is None:
+        heads = {n: s[-3] for n, s in (("query", qs), ("key", ks), ("value", vs)) if len(s) >= 3}
+        distinct = {h for h in heads.values() if h != 1}
+        if len(distinct) > 1 and _broadcast(qs[:-3], ks[:-3], vs[:-3]) is not None:
+            raise ValueError(
+                f"heads differ ({shapes}); pass enable_gqa=True for grouped-query attention, "
+                "where query heads must be a multiple of key/value heads"
+            )
+        raise ValueError(f"batch axes of query, key and value do not broadcast: {shapes}")
+    hq = qs[-3] if len(qs) >= 3 else 1
+    hk = ks[-3] if len(ks) >= 3 else 1
+    return batch, hq, hk, 1
+
+
+def validate(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    mask: Any,
+    bias: Any,
+    is_causal: bool,
+    window: Any,
+    alignment: str,
+    scale: Any,
+    softcap: Any,
+    enable_gqa: bool,
+) -> Problem:
+    """Check every argument and return the :class:`Problem` they describe.
+
+    Raises
+    ------
+    TypeError
+        Wrong kinds of argument: non-arrays, mixed libraries, non-floating or mixed dtypes,
+        a non-boolean ``mask``, a non-floating ``bias``, a non-number ``scale``.
+    ValueError
+        Inconsistent shapes or out-of-range options; the message names both.
+    """
+    xp = array_namespace({"query": query, "key": key, "value": value, "mask": mask, "bias": bias})
+    for name, arr in (("query", query), ("key", key), ("value", value)):
+        if arr.ndim < 2:
+            raise ValueError(
+                f"{name} must have at least 2 dimensions (..., length, features), "
+                f"got shape {tuple(arr.shape)}"
+            )
+    _check_dtypes(xp, query, key, value, mask, bias)
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    for flag_name, flag in (("enable_gqa", enable_gqa),):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
+    sides = _window(window)
+
+    L, E = int(query.shape[-2]), int(query.shape[-1])
+    S, E_key = int(key.shape[-2]), int(key.shape[-1])
+    S_value, Ev = int(value.shape[-2]), int(value.shape[-1])
+    if E_key != E:
+        raise ValueError(
+            f"query and key must have the same feature size E, got query {tuple(query.shape)} "
+            f"(E={E}) and key {tuple(key.shape)} (E={E_key})"
+        )
+    if S_value != S:
+        raise ValueError(
+            f"key and value must have the same length S, got key {tuple(key.shape)} (S={S}) "
+            f"and value {tuple(value.shape)} (S={S_value})"
+        )
+    batch, hq, hk, groups = _batch_shape(query, key, value, bool(enable_gqa))
+    score_shape = (*batch, L, S)
+    for name, arr in (("mask", mask), ("bias", bias)):
+        if arr is None:
+            continue
+        if _broadcast(tuple(arr.shape), score_shape) != score_shape:
+            raise ValueError(
+                f"{name} of shape {tuple(arr.shape)} does not broadcast to the attention scores' "
+                f"shape (..., Hq, L, S) = {score_shape}"
+            )
+
+    scale_value = 1.0 / math.sqrt(E) if scale is None else _positive_finite("scale", scale)
+    if scale is None and E == 0:
+        scale_value = 1.0
+    softcap_value = None if softcap is None else _positive_finite("softcap", softcap)
+
+    dtype = query.dtype
+    compute_dtype = dtype if xp.finfo(dtype).bits >= 32 else xp.float32
+    offset = 0 if alignment == "top_left" else S - L
+    left, right = sides if sides is not None else (None, None)
+    return Problem(
+        xp=xp,
+        device=device(query),
+        dtype=dtype,
+        compute_dtype=compute_dtype,
+        batch_shape=batch,
+        L=L,
+        S=S,
+        E=E,
+        Ev=Ev,
+        heads_q=hq,
+        heads_kv=hk,
+        groups=groups,
+        scale=scale_value,
+        softcap=softcap_value,
+        positions=Positions(
+            L=L, S=S, is_causal=bool(is_causal), left=left, right=right, offset=offset
+        ),
+        enable_gqa=bool(enable_gqa),
+    )

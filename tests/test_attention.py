@@ -1,0 +1,248 @@
+"""Every feature, and combinations of them, against the float64 oracle on every backend/dtype."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+
+import sdpa_array
+from sdpa_array import reference
+from tests.helpers import assert_array_like, check_against_oracle
+
+IMPLEMENTATIONS = ["auto", "materialized"]
+
+
+def randn(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape)
+
+
+# Each case: (id, shapes of q, k, v, options, mask shape or None, bias shape or None)
+CASES = [
+    ("plain", (2, 3, 5, 8), (2, 3, 5, 8), (2, 3, 5, 8), {}, None, None),
+    ("no-heads-2d", (6, 4), (9, 4), (9, 3), {}, None, None),
+    ("L!=S,Ev!=E", (1, 2, 4, 8), (1, 2, 11, 8), (1, 2, 11, 5), {}, None, None),
+    ("broadcast-batch", (3, 1, 5, 4), (1, 2, 6, 4), (2, 6, 7), {}, None, None),
+    ("mask", (2, 2, 6, 4), (2, 2, 7, 4), (2, 2, 7, 4), {}, (2, 1, 6, 7), None),
+    ("bias", (2, 2, 6, 4), (2, 2, 7, 4), (2, 2, 7, 4), {}, None, (2, 6, 7)),
+    ("mask+bias", (2, 2, 6, 4), (2, 2, 7, 4), (2, 2, 7, 4), {}, (6, 7), (2, 2, 1, 7)),
+    ("causal", (1, 2, 7, 4), (1, 2, 7, 4), (1, 2, 7, 4), {"is_causal": True}, None, None),
+    (
+        "causal-top-left-L<S",
+        (1, 2, 4, 4),
+        (1, 2, 9, 4),
+        (1, 2, 9, 4),
+        {"is_causal": True, "alignment": "top_left"},
+        None,
+        None,
+    ),
+    (
+        "causal-bottom-right-L<S",
+        (1, 2, 4, 4),
+        (1, 2, 9, 4),
+        (1, 2, 9, 4),
+        {"is_causal": True, "alignment": "bottom_right"},
+        None,
+        None,
+    ),
+    (
+        "causal-bottom-right-L>S",
+        (1, 1, 9, 4),
+        (1, 1, 4, 4),
+        (1, 1, 4, 4),
+        {"is_causal": True, "alignment": "bottom_right"},
+        None,
+        None,
+    ),
+    ("window", (1, 2, 9, 4), (1, 2, 9, 4), (1, 2, 9, 4), {"window": (2, 1)}, None, None),
+    (
+        "window-left-only+causal",
+        (1, 1, 9, 4),
+        (1, 1, 12, 4),
+        (1, 1, 12, 4),
+        {"window": (3, None), "is_causal": True, "alignment": "bottom_right"},
+        None,
+        None,
+    ),
+    (
+        "window-right-only",
+        (1, 1, 9, 4),
+        (1, 1, 6, 4),
+        (1, 1, 6, 4),
+        {"window": (None, 0)},
+        None,
+        None,
+    ),
+    ("softcap", (1, 2, 5, 8), (1, 2, 6, 8), (1, 2, 6, 8), {"softcap": 2.5}, None, None),
+    ("scale", (1, 2, 5, 8), (1, 2, 6, 8), (1, 2, 6, 8), {"scale": 0.7}, None, None),
+    ("gqa", (2, 6, 5, 4), (2, 2, 7, 4), (2, 2, 7, 3), {"enable_gqa": True}, None, None),
+    (
+        "gqa+mask+bias+causal+softcap",
+        (1, 4, 6, 4),
+        (1, 2, 8, 4),
+        (1, 2, 8, 4),
+        {"enable_gqa": True, "is_causal": True, "alignment": "bottom_right", "softcap": 5.0},
+        (4, 6, 8),
+        (1, 4, 1, 8),
+    ),
+    (
+        "everything",
+        (2, 4, 6, 8),
+        (2, 1, 10, 8),
+        (2, 1, 10, 3),
+        {
+            "enable_gqa": True,
+            "window": (4, 2),
+            "is_causal": True,
+            "softcap": 3.0,
+            "scale": 0.5,
+            "alignment": "bottom_right",
+        },
+        (2, 1, 6, 10),
+        (4, 6, 10),
+    ),
+]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    ("q_shape", "k_shape", "v_shape", "options", "mask_shape", "bias_shape"),
+    [c[1:] for c in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_feature_matches_oracle(
+    backend_dtype, implementation, q_shape, k_shape, v_shape, options, mask_shape, bias_shape
+):
+    backend, dtype = backend_dtype
+    rng = np.random.default_rng(zlib.crc32(repr((q_shape, k_shape, options)).encode()))
+    mask = None if mask_shape is None else rng.random(mask_shape) > 0.3
+    bias = None if bias_shape is None else randn(rng, *bias_shape)
+    check_against_oracle(
+        backend,
+        dtype,
+        randn(rng, *q_shape),
+        randn(rng, *k_shape),
+        randn(rng, *v_shape),
+        mask=mask,
+        bias=bias,
+        implementation=implementation,
+        **options,
+    )
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_fully_masked_rows_are_zero_not_nan(backend_dtype, implementation):
+    backend, dtype = backend_dtype
+    rng = np.random.default_rng(1)
+    q, k, v = randn(rng, 2, 5, 4), randn(rng, 2, 6, 4), randn(rng, 2, 6, 3)
+    mask = rng.random((2, 5, 6)) > 0.5
+    mask[0, 1] = False  # excluded by the mask
+    bias = randn(rng, 2, 5, 6)
+    bias[1, 3] = -np.inf  # excluded by the bias
+    out, weights, lse = check_against_oracle(
+        backend, dtype, q, k, v, mask=mask, bias=bias, implementation=implementation
+    )
+    for row in ((0, 1), (1, 3)):
+        assert np.all(reference.to_numpy(out)[row] == 0)
+        assert np.all(reference.to_numpy(weights)[row] == 0)
+        assert reference.to_numpy(lse)[row] == -np.inf
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_window_and_causal_exclude_whole_rows(backend_dtype, implementation):
+    # bottom_right with L > S: the first L - S queries have their diagonal before key 0.
+    backend, dtype = backend_dtype
+    rng = np.random.default_rng(2)
+    out, _, lse = check_against_oracle(
+        backend,
+        dtype,
+        randn(rng, 1, 7, 4),
+        randn(rng, 1, 3, 4),
+        randn(rng, 1, 3, 2),
+        is_causal=True,
+        alignment="bottom_right",
+        implementation=implementation,
+    )
+    assert np.all(reference.to_numpy(out)[0, :4] == 0)
+    assert np.all(reference.to_numpy(lse)[0, :4] == -np.inf)
+
+
+@pytest.mark.parametrize(("L", "S"), [(0, 5), (4, 0), (0, 0)])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_empty_lengths(backend_dtype, implementation, L, S):
+    backend, dtype = backend_dtype
+    rng = np.random.default_rng(3)
+    out, weights, lse = check_against_oracle(
+        backend,
+        dtype,
+        randn(rng, 2, L, 4),
+        randn(rng, 2, S, 4),
+        randn(rng, 2, S, 3),
+        implementation=implementation,
+    )
+    assert tuple(out.shape) == (2, L, 3)
+    assert tuple(weights.shape) == (2, L, S)
+    if S == 0:
+        assert np.all(reference.to_numpy(out) == 0)
+        assert np.all(reference.to_numpy(lse) == -np.inf)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_large_logits_do_not_overflow(backend_dtype, implementation):
+    # Scores in the thousands: float16 itself overflows at 65504 (and exp at ~11), so this
+    # only works if scores, softmax and accumulation run in float32.
+    backend, dtype = backend_dtype
+    rng = np.random.default_rng(4)
+    q = randn(rng, 2, 6, 16) * 40.0
+    k = randn(rng, 2, 9, 16) * 40.0
+    v = randn(rng, 2, 9, 4)
+    out, _, lse = check_against_oracle(
+        backend, dtype, q, k, v, scale=1.0, implementation=implementation
+    )
+    assert np.abs(reference.to_numpy(lse)).max() > 1000.0
+    assert np.isfinite(reference.to_numpy(out)).all()
+
+
+def test_return_value_packing(backend):
+    rng = np.random.default_rng(5)
+    q, k, v = (backend.asarray(randn(rng, 3, 4, 2), "float32") for _ in range(3))
+    out = sdpa_array.scaled_dot_product_attention(q, k, v)
+    assert_array_like(out, q, shape=(3, 4, 2), dtype=q.dtype)
+    pair = sdpa_array.scaled_dot_product_attention(q, k, v, return_lse=True)
+    assert isinstance(pair, tuple)
+    assert len(pair) == 2
+    assert tuple(pair[1].shape) == (3, 4)
+    pair = sdpa_array.scaled_dot_product_attention(q, k, v, return_weights=True)
+    assert len(pair) == 2
+    assert tuple(pair[1].shape) == (3, 4, 4)
+    triple = sdpa_array.scaled_dot_product_attention(q, k, v, return_weights=True, return_lse=True)
+    assert [tuple(t.shape) for t in triple] == [(3, 4, 2), (3, 4, 4), (3, 4)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_worked_example_from_design_notes(backend, dtype):
+    """Q = [[1,2],[3,4]], K = [[5,6],[7,8],[9,10]], V = [[1,0,1],[0,1,0],[1,1,0]], d_k = 2.
+
+    The notes publish ``[[0.984, 1.000, 0.0002], [0.9999, 0.9999, 0.0001]]``; the exact values
+    below (softmax of ``Q Kᵀ / sqrt(2)`` written out in closed form) differ from that rounding
+    in several places: e.g. row 0 col 0 is 0.98584 and row 1 col 2 is 2.5e-9, not 1e-4.
+    """
+    scores = [[17.0, 23.0, 29.0], [39.0, 53.0, 67.0]]
+    expected = []
+    for row in scores:
+        e = [math.exp((s - max(row)) / math.sqrt(2.0)) for s in row]
+        p = [x / sum(e) for x in e]
+        expected.append([p[0] + p[2], p[1] + p[2], p[0]])
+    q = backend.asarray(np.array([[1.0, 2.0], [3.0, 4.0]]), dtype)
+    k = backend.asarray(np.array([[5.0, 6.0], [7.0, 8.0], [9.0, 10.0]]), dtype)
+    v = backend.asarray(np.array([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0]]), dtype)
+    out = reference.to_numpy(sdpa_array.scaled_dot_product_attention(q, k, v))
+    np.testing.assert_allclose(out, np.array(expected), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(
+        out,
+        [[0.985837, 0.999796, 0.000204], [0.999950, 1.000000, 0.0000000025]],
+        atol=1e-6,
+        rtol=0,
+    )
