@@ -67,9 +67,18 @@ def prepare_operands(p: Problem, query: Any, key: Any, value: Any) -> tuple[Any,
 
 
 def prepare_score_terms(p: Problem, mask: Any, bias: Any) -> tuple[Any, Any]:
-    """Cast ``bias`` to the compute dtype and group ``mask``/``bias`` heads if needed."""
+    """Cast ``bias`` to the compute dtype and group ``mask``/``bias`` heads if needed.
+
+    Terms with fewer than two axes (a ``(S,)`` padding mask) get leading unit axes so that
+    every term has its query and key axes at ``-2`` and ``-1``.
+    """
+    xp = p.xp
     if bias is not None:
-        bias = p.xp.astype(bias, p.compute_dtype, copy=False)
+        bias = xp.astype(bias, p.compute_dtype, copy=False)
+    mask, bias = (
+        xp.reshape(x, (1,) * (2 - x.ndim) + tuple(x.shape)) if x is not None and x.ndim < 2 else x
+        for x in (mask, bias)
+    )
     if p.grouped:
         mask = None if mask is None else _grouped_score_term(p, mask)
         bias = None if bias is None else _grouped_score_term(p, bias)

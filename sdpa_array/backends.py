@@ -90,6 +90,10 @@ def _no_sync(x: Any) -> None:
     return None
 
 
+def _dask_sync(x: Any) -> None:
+    x.compute()  # a lazy backend has done no work until it computes
+
+
 def _from_numpy_torch(a: np.ndarray, dtype: str, device: str) -> Any:
     import torch
 
@@ -276,7 +280,15 @@ BACKENDS: tuple[Backend, ...] = (
         _sync=_jax_sync,
         _prepare=_prepare_jax,
     ),
-    Backend("dask", "dask.array", "cpu", ("float16", "float32", "float64"), "dask", "tests-dask"),
+    Backend(
+        "dask",
+        "dask.array",
+        "cpu",
+        ("float16", "float32", "float64"),
+        "dask",
+        "tests-dask",
+        _sync=_dask_sync,
+    ),
     Backend(
         "cupy",
         "cupy",

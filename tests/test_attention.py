@@ -246,3 +246,35 @@ def test_worked_example_from_design_notes(backend, dtype):
         atol=1e-6,
         rtol=0,
     )
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_results_stay_on_a_non_default_device(implementation):
+    """array-api-strict refuses to mix devices, so any array created on the wrong one fails."""
+    xp = pytest.importorskip("array_api_strict")
+    dev = xp.Device("device1")
+    rng = np.random.default_rng(6)
+
+    def put(a, dtype=xp.float32):
+        return xp.asarray(a, dtype=dtype, device=dev)
+
+    q, k, v = put(randn(rng, 2, 5, 4)), put(randn(rng, 2, 7, 4)), put(randn(rng, 2, 7, 3))
+    mask = put(rng.random((5, 7)) > 0.2, dtype=xp.bool)
+    for options in ({}, {"is_causal": True, "window": (2, 1), "alignment": "bottom_right"}):
+        out, weights, lse = sdpa_array.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=put(randn(rng, 5, 7)),
+            softcap=4.0,
+            return_weights=True,
+            return_lse=True,
+            implementation=implementation,
+            **options,
+        )
+        assert out.device == weights.device == lse.device == dev
+    empty = sdpa_array.scaled_dot_product_attention(
+        q, k[:, :0, :], v[:, :0, :], return_lse=True, implementation=implementation
+    )
+    assert empty[0].device == empty[1].device == dev

@@ -1,0 +1,98 @@
+"""nox sessions: one test session per backend, lint, docs and benchmarks.
+
+``nox`` alone runs the CPU test sessions, ``lint`` and ``docs``; ``nox -s tests-cupy`` and
+``nox -s tests-cuda`` need a CUDA device, ``nox -s bench`` runs the asv suite.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "virtualenv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = False
+
+#: torch is pinned to the CPU build this machine serves from a local file; an unpinned torch
+#: would pull several GB of CUDA packages.
+TORCH = "torch==2.13.0"
+
+#: session name -> (backend ids for SDPA_BACKENDS, extras, extra pip requirements, default)
+TEST_SESSIONS = {
+    "tests-numpy": ("numpy", "test,plot", [], True),
+    "tests-torch": ("torch", "test", [TORCH], True),
+    "tests-strict": ("strict", "test,strict", [], True),
+    "tests-jax": ("jax", "test,jax", [], True),
+    "tests-dask": ("dask", "test,dask", [], True),
+    # Need an NVIDIA GPU: not run by default.
+    "tests-cupy": ("cupy", "test,cupy", [], False),
+    "tests-cuda": ("torch:cuda", "test", ["torch"], False),
+}
+
+
+def _define_test_session(name: str, backends: str, extras: str, reqs: list[str], default: bool):
+    def run_tests(session: nox.Session) -> None:
+        if reqs:
+            session.install(*reqs)
+        session.install("-e", f".[{extras}]")
+        session.run(
+            "pytest",
+            *session.posargs,
+            env={"SDPA_BACKENDS": backends, "HYPOTHESIS_PROFILE": "ci"},
+        )
+
+    run_tests.__doc__ = f"Run the test suite on the {backends} backend."
+    nox.session(name=name, default=default)(run_tests)
+
+
+for _name, _spec in TEST_SESSIONS.items():
+    _define_test_session(_name, *_spec)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff (lint and format) and mypy."""
+    session.install("-e", ".[lint]")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the Sphinx site with warnings as errors."""
+    session.install("-e", ".[docs,plot]")
+    session.run(
+        "sphinx-build",
+        "-W",
+        "--keep-going",
+        "-b",
+        "html",
+        "docs",
+        "docs/_build/html",
+        *session.posargs,
+    )
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """Run the asv suite (quick profile) against this checkout and publish the HTML."""
+    session.install(TORCH)
+    session.install("-e", ".[bench]")
+    session.chdir("asv_benchmarks")
+    session.run("asv", "machine", "--yes")
+    session.run(
+        "asv",
+        "run",
+        "--python=same",
+        "--quick",
+        "--show-stderr",
+        "--set-commit-hash",
+        _head(session),
+        *session.posargs,
+    )
+    session.run("asv", "publish")
+
+
+def _head(session: nox.Session) -> str:
+    out = session.run("git", "rev-parse", "HEAD", external=True, silent=True)
+    return str(out).strip()

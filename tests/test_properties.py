@@ -1,0 +1,78 @@
+"""Property-based tests: random shapes, masks, windows, GQA, alignments and dtypes vs the oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sdpa_array import reference
+from tests.helpers import UNIT_ROUNDOFF, check_against_oracle, compute_dtype
+from tests.test_attention import IMPLEMENTATIONS
+
+side = st.one_of(st.none(), st.integers(0, 6))
+
+
+@st.composite
+def attention_calls(draw: st.DrawFn, dtypes: tuple[str, ...]) -> dict:
+    gqa = draw(st.booleans())
+    outer = tuple(draw(st.lists(st.integers(1, 2), max_size=2)))
+    heads_kv = draw(st.integers(1, 3))
+    groups = draw(st.integers(1, 3)) if gqa else 1
+    with_heads = gqa or draw(st.booleans())
+    L, S = draw(st.integers(0, 9)), draw(st.integers(0, 9))
+    E, Ev = draw(st.integers(1, 8)), draw(st.integers(1, 5))
+    heads_q = heads_kv * groups
+    q_batch = (*outer, heads_q) if with_heads else outer
+    kv_batch = (*outer, heads_kv) if with_heads else outer
+    if draw(st.booleans()) and kv_batch:
+        kv_batch = (1,) * (len(kv_batch) - 1) + kv_batch[-1:]  # broadcast the key's batch
+    score_shape = (*q_batch, L, S)
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    call = {
+        "dtype": draw(st.sampled_from(dtypes)),
+        "implementation": draw(st.sampled_from(IMPLEMENTATIONS)),
+        "q": rng.standard_normal((*q_batch, L, E)) * draw(st.sampled_from([0.5, 1.0, 4.0])),
+        "k": rng.standard_normal((*kv_batch, S, E)),
+        "v": rng.standard_normal((*kv_batch, S, Ev)),
+        "enable_gqa": gqa,
+        "is_causal": draw(st.booleans()),
+        "alignment": draw(st.sampled_from(["top_left", "bottom_right"])),
+    }
+    if draw(st.booleans()):
+        call["window"] = (draw(side), draw(side))
+    if draw(st.booleans()):
+        call["softcap"] = draw(st.floats(0.5, 20.0))
+    if draw(st.booleans()):
+        call["scale"] = draw(st.floats(0.05, 2.0))
+    mask_kind = draw(st.sampled_from(["none", "full", "keys-only", "sparse"]))
+    if mask_kind == "full":
+        call["mask"] = rng.random(score_shape) > 0.3
+    elif mask_kind == "keys-only":  # a padding mask: (S,) broadcast over queries and heads
+        call["mask"] = rng.random((S,)) > 0.3
+    elif mask_kind == "sparse":  # mostly excluded: many fully-masked rows
+        call["mask"] = rng.random((L, S)) > 0.85
+    if draw(st.booleans()):
+        bias = rng.standard_normal((L, S) if draw(st.booleans()) else score_shape)
+        bias[rng.random(bias.shape) > 0.8] = -np.inf
+        call["bias"] = bias
+    return call
+
+
+@given(data=st.data())
+def test_random_calls_match_oracle(backend, data):
+    call = data.draw(attention_calls(backend.dtypes))
+    dtype = call.pop("dtype")
+    q, k, v = call.pop("q"), call.pop("k"), call.pop("v")
+    out, weights, lse = check_against_oracle(backend, dtype, q, k, v, **call)
+    # Rows with no admissible key are exact zeros with lse -inf; all others sum to one.
+    w = reference.to_numpy(weights).astype(np.float64)
+    empty = reference.to_numpy(lse) == -np.inf
+    assert np.all(w[empty] == 0)
+    assert np.all(reference.to_numpy(out)[empty] == 0)
+    # Each weight is rounded to the output dtype (u_o each) after a softmax accurate to
+    # (2 S + 6) u_c: their sum is within S u_o + (2 S + 6) u_c of one.
+    S = w.shape[-1]
+    tol = S * UNIT_ROUNDOFF[dtype] + (2 * S + 6) * UNIT_ROUNDOFF[compute_dtype(dtype)]
+    np.testing.assert_allclose(w[~empty].sum(axis=-1), 1.0, atol=tol)

@@ -1,0 +1,197 @@
+"""Every misuse raises ValueError or TypeError, before any work, naming arguments and shapes."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+
+import sdpa_array
+
+F = np.float32
+
+
+def arrays(*shapes: tuple[int, ...], dtype: Any = F) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal(s).astype(dtype) for s in shapes]
+
+
+Q, K, V = arrays((2, 4, 5, 8), (2, 4, 6, 8), (2, 4, 6, 3))
+
+
+def call(q=Q, k=K, v=V, **kwargs):
+    return sdpa_array.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+BAD_SHAPES = [
+    (
+        "E mismatch",
+        dict(k=arrays((2, 4, 6, 7))[0]),
+        ValueError,
+        r"query and key must have the same feature size E.*\(2, 4, 5, 8\).*\(2, 4, 6, 7\)",
+    ),
+    (
+        "S mismatch",
+        dict(v=arrays((2, 4, 5, 3))[0]),
+        ValueError,
+        r"key and value must have the same length S.*\(2, 4, 6, 8\).*\(2, 4, 5, 3\)",
+    ),
+    (
+        "batch does not broadcast",
+        dict(q=arrays((3, 4, 5, 8))[0]),
+        ValueError,
+        r"batch axes of query, key and value do not broadcast.*\(3, 4, 5, 8\)",
+    ),
+    (
+        "heads differ without gqa",
+        dict(q=arrays((2, 8, 5, 8))[0]),
+        ValueError,
+        r"heads differ.*\(2, 8, 5, 8\).*enable_gqa=True",
+    ),
+    (
+        "gqa heads not divisible",
+        dict(q=arrays((2, 6, 5, 8))[0], enable_gqa=True),
+        ValueError,
+        r"enable_gqa=True needs query heads \(6\) to be a multiple of key/value heads \(4\)",
+    ),
+    (
+        "gqa key/value heads differ",
+        dict(
+            q=arrays((2, 4, 5, 8))[0],
+            k=arrays((2, 2, 6, 8))[0],
+            v=arrays((2, 4, 6, 3))[0],
+            enable_gqa=True,
+        ),
+        ValueError,
+        r"key and value must have the same number of heads.*\(2, 2, 6, 8\).*\(2, 4, 6, 3\)",
+    ),
+    (
+        "gqa without heads axis",
+        dict(q=arrays((5, 8))[0], k=arrays((6, 8))[0], v=arrays((6, 3))[0], enable_gqa=True),
+        ValueError,
+        r"enable_gqa=True needs a heads axis",
+    ),
+    ("query 1-d", dict(q=arrays((8,))[0]), ValueError, r"query must have at least 2 dim.*\(8,\)"),
+    ("key 0-d", dict(k=np.float32(1.0)), ValueError, r"key must have at least 2 dim.*\(\)"),
+    (
+        "mask shape",
+        dict(mask=np.ones((5, 7), dtype=bool)),
+        ValueError,
+        r"mask of shape \(5, 7\) does not broadcast .*\(2, 4, 5, 6\)",
+    ),
+    (
+        "mask enlarges batch",
+        dict(mask=np.ones((3, 2, 4, 5, 6), dtype=bool)),
+        ValueError,
+        r"mask of shape \(3, 2, 4, 5, 6\) does not broadcast",
+    ),
+    (
+        "bias shape",
+        dict(bias=np.ones((4, 4, 6), dtype=F)),
+        ValueError,
+        r"bias of shape \(4, 4, 6\) does not broadcast .*\(2, 4, 5, 6\)",
+    ),
+]
+
+
+BAD_DTYPES = [
+    (
+        "integer inputs",
+        dict(q=np.ones((2, 4, 5, 8), dtype=np.int32)),
+        TypeError,
+        r"query must have a real floating dtype.*int32",
+    ),
+    (
+        "complex inputs",
+        dict(v=np.ones((2, 4, 6, 3), dtype=np.complex64)),
+        TypeError,
+        r"value must have a real floating dtype.*complex64",
+    ),
+    (
+        "mixed dtypes",
+        dict(k=K.astype(np.float64)),
+        TypeError,
+        r"share one dtype.*query float32, key float64, value float32",
+    ),
+    ("non-boolean mask", dict(mask=np.ones((5, 6), dtype=F)), TypeError, r"mask must be boolean"),
+    (
+        "integer bias",
+        dict(bias=np.ones((5, 6), dtype=np.int64)),
+        TypeError,
+        r"bias must have a real floating dtype.*int64",
+    ),
+    ("list input", dict(q=[[1.0, 2.0]]), TypeError, r"query must be an array.*list"),
+]
+
+
+BAD_OPTIONS = [
+    ("zero scale", dict(scale=0.0), ValueError, r"scale must be a positive finite number.*0\.0"),
+    ("negative scale", dict(scale=-1.0), ValueError, r"scale must be a positive finite"),
+    ("nan scale", dict(scale=float("nan")), ValueError, r"scale must be a positive finite"),
+    ("inf scale", dict(scale=float("inf")), ValueError, r"scale must be a positive finite"),
+    ("string scale", dict(scale="0.1"), TypeError, r"scale must be a real number.*str"),
+    ("bool scale", dict(scale=True), TypeError, r"scale must be a real number.*bool"),
+    ("zero softcap", dict(softcap=0.0), ValueError, r"softcap must be a positive finite number"),
+    ("negative softcap", dict(softcap=-3.0), ValueError, r"softcap must be a positive finite"),
+    ("negative window", dict(window=(-1, 2)), ValueError, r"window left size must be non-neg"),
+    ("negative right", dict(window=(1, -2)), ValueError, r"window right size must be non-neg"),
+    ("float window", dict(window=(1.5, 2)), TypeError, r"window left size must be an int"),
+    ("window not a pair", dict(window=3), TypeError, r"window must be a pair"),
+    ("window of three", dict(window=(1, 2, 3)), TypeError, r"window must be a pair"),
+    ("alignment", dict(alignment="center"), ValueError, r"alignment must be one of.*'center'"),
+    (
+        "implementation",
+        dict(implementation="flash"),
+        ValueError,
+        r"implementation must be one of.*'flash'",
+    ),
+    ("is_causal not bool", dict(is_causal="yes"), TypeError, r"is_causal must be a bool"),
+    ("return flag not bool", dict(return_lse=1), TypeError, r"return_lse must be a bool"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [c[1:] for c in BAD_SHAPES + BAD_DTYPES + BAD_OPTIONS],
+    ids=[c[0] for c in BAD_SHAPES + BAD_DTYPES + BAD_OPTIONS],
+)
+def test_bad_input_raises_clear_error(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call(**kwargs)
+
+
+def test_mixed_array_libraries_are_a_type_error():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"one array library.*key: torch\.Tensor"):
+        call(k=torch.from_numpy(K))
+    with pytest.raises(TypeError, match=r"one array library.*mask: torch\.Tensor"):
+        call(mask=torch.ones((5, 6), dtype=torch.bool))
+
+
+def test_bad_input_on_every_backend(backend):
+    """The checks are library-independent: integer dtypes and shape errors on each backend."""
+    q = backend.asarray(np.ones((2, 5, 8)), "float32")
+    k = backend.asarray(np.ones((2, 6, 7)), "float32")
+    v = backend.asarray(np.ones((2, 6, 3)), "float32")
+    with pytest.raises(ValueError, match=re.escape("(2, 5, 8)")):
+        sdpa_array.scaled_dot_product_attention(q, k, v)
+    bad_mask = backend.asarray(np.ones((5, 6), dtype=np.float32), "float32")
+    k = backend.asarray(np.ones((2, 6, 8)), "float32")
+    with pytest.raises(TypeError, match="mask must be boolean"):
+        sdpa_array.scaled_dot_product_attention(q, k, v, mask=bad_mask)
+
+
+def test_errors_are_raised_before_any_work(monkeypatch):
+    """Validation runs first: a failing call never reaches an implementation."""
+    from sdpa_array import _api
+
+    def fail(*args, **kwargs):
+        raise AssertionError("an implementation ran before validation finished")
+
+    monkeypatch.setattr(_api, "IMPLEMENTATIONS", {name: fail for name in _api.IMPLEMENTATIONS})
+    with pytest.raises(ValueError, match="scale"):
+        call(scale=-1.0, implementation="materialized")
+    with pytest.raises(TypeError, match="mask"):
+        call(mask=np.ones((5, 6), dtype=F), implementation="materialized")
