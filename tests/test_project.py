@@ -23,3 +23,23 @@ def test_ci_runs_readme_test_command():
     test_command = readme_commands()[1].strip()
     ci_lines = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_command in ci_lines
+
+
+def test_demo_prints_a_passing_table(capsys):
+    from sdpa_array.__main__ import main
+
+    assert main(["demo", "--backend", "numpy"]) == 0
+    text = capsys.readouterr().out
+    assert "worked example" in text
+    assert "6 checks, 0 outside the error bound" in text
+    for dtype in ("float16", "float32", "float64"):
+        assert f"numpy    cpu     {dtype}" in text
+
+
+def test_cli_rejects_unknown_commands(capsys):
+    from sdpa_array.__main__ import main
+
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    assert "demo" in capsys.readouterr().out
