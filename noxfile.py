@@ -60,7 +60,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the Sphinx site with warnings as errors."""
-    session.install("-e", ".[docs,plot]")
+    session.install("-e", ".[docs,plot,test]")
     session.run(
         "sphinx-build",
         "-W",

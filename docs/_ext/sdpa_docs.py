@@ -1,0 +1,93 @@
+"""Pages generated from the code at build time, so that the docs cannot disagree with it.
+
+* ``generated/snippets/backend_table.md``: the backend support table, one row per entry of
+  :data:`sdpa_array.backends.BACKENDS`.
+* ``generated/snippets/attention_patterns.md``: which keys each query attends under
+  ``is_causal``, both alignments, windows, a padding mask and GQA, computed by
+  :func:`sdpa_array.lab.attention_patterns` with the library itself.
+* ``generated/snippets/implementations.md``: one row per entry of the implementation
+  table ``sdpa_array._api.IMPLEMENTATIONS``, described by its function's docstring.
+* ``implementations``: the line ``% performance.md`` is replaced by an include of
+  ``docs/performance.md`` when that file exists, and by a sentence saying it is missing when
+  it does not.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+from sphinx.application import Sphinx
+
+PERFORMANCE_MARKER = "% performance.md"
+
+
+def backend_table() -> str:
+    """The support table of the backend registry, as a MyST pipe table."""
+    from sdpa_array.backends import BACKENDS
+
+    head = "| id | array library | device | dtypes | install | nox session |"
+    rows = [head, "| --- | --- | --- | --- | --- | --- |"]
+    for b in BACKENDS:
+        install = f"`pip install sdpa_array[{b.extra}]`" if b.extra else "(always)"
+        device = f"{b.device} (needs a CUDA GPU)" if b.needs_gpu else b.device
+        dtypes = ", ".join(b.dtypes)
+        rows.append(
+            f"| `{b.id}` | `{b.module}` | {device} | {dtypes} | {install} | `{b.nox_session}` |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def implementations_table() -> str:
+    """The ``implementation=`` choices, each with the first line of its docstring."""
+    from sdpa_array._api import IMPLEMENTATIONS
+
+    rows = ["| `implementation=` | what it does |", "| --- | --- |"]
+    rows.append('| `"auto"` (default) | chooses one of the implementations below for the inputs |')
+    for name, function in IMPLEMENTATIONS.items():
+        summary = (inspect.getdoc(function) or "").split("\n")[0]
+        rows.append(f'| `"{name}"` | {summary} |')
+    return "\n".join(rows) + "\n"
+
+
+def attention_patterns() -> str:
+    """One code block per panel of :func:`sdpa_array.lab.attention_patterns`."""
+    from sdpa_array import lab
+    from sdpa_array._explain import pattern_text
+
+    parts = []
+    for panel in lab.attention_patterns():
+        parts.append(
+            f"**{panel.title}**: `{panel.call}`\n\n```text\n{pattern_text(panel.weights)}\n```\n"
+        )
+    return "\n".join(parts)
+
+
+def _write_snippets(app: Sphinx) -> None:
+    out = Path(app.srcdir) / "generated" / "snippets"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (
+        ("backend_table.md", backend_table()),
+        ("attention_patterns.md", attention_patterns()),
+        ("implementations.md", implementations_table()),
+    ):
+        path = out / name
+        if not path.exists() or path.read_text(encoding="utf-8") != text:
+            path.write_text(text, encoding="utf-8")
+
+
+def _include_performance(app: Sphinx, docname: str, source: list[str]) -> None:
+    if docname != "implementations":
+        return
+    if (Path(app.srcdir) / "performance.md").exists():
+        block = "```{include} performance.md\n:heading-offset: 1\n```"
+    else:
+        block = "*The performance report (`docs/performance.md`) has not been written yet.*"
+    source[0] = source[0].replace(PERFORMANCE_MARKER, block)
+
+
+def setup(app: Sphinx) -> dict[str, Any]:
+    app.connect("builder-inited", _write_snippets)
+    app.connect("source-read", _include_performance)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
