@@ -57,8 +57,8 @@ def _median_seconds(run: Callable[[], Any], sync: Callable[[Any], None], repeats
 
 def run_case(backend: Backend, dtype: str, case: dict[str, Any], repeats: int = 5) -> dict:
     """Run one case on one backend/dtype; return its errors, bounds and median time."""
-    arrays = {}
-    rounded = {}
+    arrays: dict[str, Any] = {}
+    rounded: dict[str, np.ndarray] = {}
     for name in ("q", "k", "v", "bias"):
         if name in case:
             arrays[name] = backend.asarray(case[name], dtype)

@@ -248,9 +248,10 @@ def validate(
                 f"shape (..., Hq, L, S) = {score_shape}"
             )
 
-    scale_value = 1.0 / math.sqrt(E) if scale is None else _positive_finite("scale", scale)
-    if scale is None and E == 0:
-        scale_value = 1.0
+    if scale is not None:
+        scale_value = _positive_finite("scale", scale)
+    else:  # with E == 0 every score is 0 whatever the scale
+        scale_value = 1.0 / math.sqrt(E) if E > 0 else 1.0
     softcap_value = None if softcap is None else _positive_finite("softcap", softcap)
 
     dtype = query.dtype

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from ._compat import array_namespace, device
+from ._vjp import scaled_dot_product_attention_vjp
 from .backends import Backend, get_backend
 from .reference import to_numpy
 
@@ -480,11 +481,10 @@ def attention_vjp_from_derivation(
     return grad_query, grad_key, grad_value
 
 
-# The gradient experiments call the VJP through this one name. When the library's own
-# backward pass lands (issue 4), this line becomes
-#     from . import scaled_dot_product_attention_vjp as attention_vjp
-# (same positional arguments, ``scale=`` keyword, and ``(dQ, dK, dV)`` result).
-attention_vjp = attention_vjp_from_derivation
+#: The VJP the gradient experiments call: the library's own backward pass
+#: (:func:`sdpa_array.scaled_dot_product_attention_vjp`), which
+#: :func:`attention_vjp_from_derivation` spells out step by step for the unmasked case.
+attention_vjp = scaled_dot_product_attention_vjp
 
 
 #: Scales compared by :func:`gradient_flow`, by name: ``d`` is the key width ``d_k``.

@@ -124,13 +124,15 @@ def test_softmax_jacobian_matches_finite_differences(backend: Backend) -> None:
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("vjp", ["attention_vjp", "attention_vjp_from_derivation"])
 @pytest.mark.parametrize("scale", [None, 1.0, 0.05])
-def test_attention_vjp_matches_oracle(backend: Backend, scale: float | None) -> None:
+def test_attention_vjp_matches_oracle(backend: Backend, scale: float | None, vjp: str) -> None:
+    """The experiments' VJP (the library's) and the written-out derivation, vs the oracle."""
     rng = np.random.default_rng(4)
     shapes = {"q": (2, 5, 6), "k": (2, 7, 6), "v": (2, 7, 3), "do": (2, 5, 3)}
     data = {name: rng.standard_normal(shape) for name, shape in shapes.items()}
     args = [backend.asarray(data[name], "float64") for name in ("q", "k", "v", "do")]
-    got = lab.attention_vjp(*args, scale=scale)
+    got = getattr(lab, vjp)(*args, scale=scale)
     want = reference.scaled_dot_product_attention_vjp(
         data["q"], data["k"], data["v"], data["do"], scale=scale
     )

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from sdpa_array import reference
+from sdpa_array._native import CannotDelegateError
 from tests.helpers import UNIT_ROUNDOFF, check_against_oracle, compute_dtype
 from tests.test_attention import IMPLEMENTATIONS
 
@@ -65,7 +66,15 @@ def test_random_calls_match_oracle(backend, data):
     call = data.draw(attention_calls(backend.dtypes))
     dtype = call.pop("dtype")
     q, k, v = call.pop("q"), call.pop("k"), call.pop("v")
-    out, weights, lse = check_against_oracle(backend, dtype, q, k, v, **call)
+    try:
+        out, weights, lse = check_against_oracle(backend, dtype, q, k, v, **call)
+    except CannotDelegateError:
+        # "native" refuses calls no native kernel computes exactly (a NumPy array, softcap,
+        # ...) with its documented error, before any work; "auto" must then still answer.
+        assert call["implementation"] == "native"
+        event("native refused; checked auto instead")
+        call["implementation"] = "auto"
+        out, weights, lse = check_against_oracle(backend, dtype, q, k, v, **call)
     # Rows with no admissible key are exact zeros with lse -inf; all others sum to one.
     w = reference.to_numpy(weights).astype(np.float64)
     empty = reference.to_numpy(lse) == -np.inf

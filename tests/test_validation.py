@@ -195,3 +195,10 @@ def test_errors_are_raised_before_any_work(monkeypatch):
         call(scale=-1.0, implementation="materialized")
     with pytest.raises(TypeError, match="mask"):
         call(mask=np.ones((5, 6), dtype=F), implementation="materialized")
+
+
+def test_zero_width_features_use_unit_scale():
+    """E == 0: every score is 0, so the weights are uniform and the default scale is moot."""
+    q, k, v = np.ones((2, 0)), np.ones((3, 0)), np.arange(6.0).reshape(3, 2)
+    out = sdpa_array.scaled_dot_product_attention(q, k, v)
+    np.testing.assert_allclose(out, np.broadcast_to(v.mean(axis=0), (2, 2)), rtol=1e-15)

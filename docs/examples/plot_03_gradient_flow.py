@@ -18,8 +18,10 @@ width ``d_k``), ``V`` and an upstream gradient ``dO``, and measures the norm of 
   nearly tie receive very large gradients. Unscaled attention does not shrink the gradient
   uniformly; it concentrates it on a handful of queries and starves the rest.
 
-The gradient is computed by :data:`sdpa_array.lab.attention_vjp`, today the derivation
-written out in :func:`sdpa_array.lab.attention_vjp_from_derivation`.
+The gradient is computed by the library's backward pass,
+:func:`sdpa_array.scaled_dot_product_attention_vjp`;
+:func:`sdpa_array.lab.attention_vjp_from_derivation` writes the same derivation out step by
+step.
 """
 
 # %%

@@ -1,0 +1,150 @@
+"""Running independent query blocks concurrently: the one place that does, NumPy only.
+
+NumPy runs its matrix products on a multi-threaded BLAS, but ``exp``, ``max``, ``sum`` and
+``where`` on one core. The blocked implementation's query blocks are independent and NumPy
+releases the GIL inside its loops, so a small thread pool runs the element-wise work of
+several blocks at once. While the pool runs, BLAS is limited to one thread per call (with
+`threadpoolctl <https://github.com/joblib/threadpoolctl>`_): each of our threads then does
+its own products, instead of every product starting BLAS's threads on cores that are
+already busy. Measured on 2 cores, B=1, H=8, L=S=4096, E=64, float32: blocks one after the
+other with 2 BLAS threads take 0.22 s on a quiet machine and several seconds when another
+process holds a core (a multi-threaded BLAS spins waiting for the busy core); 2 threads
+with 1 BLAS thread each take 0.20 s quiet and 0.4 s with the core held. Without the BLAS
+limit, our threads and BLAS's oversubscribe the cores (measured: 1 to 9 s), so without
+``threadpoolctl`` the default is to run blocks one after the other.
+
+Other libraries parallelise (torch, JAX on CPU), defer (Dask) or queue on a device (CuPy,
+CUDA) by themselves, so for them blocks always run one after the other here.
+
+Configuration, in order of precedence:
+
+1. :func:`set_num_threads` (``None`` restores the default);
+2. the environment variable ``SDPA_ARRAY_NUM_THREADS`` (read at each call);
+3. the default: the number of CPUs this process may use, at most
+   :data:`DEFAULT_MAX_THREADS`, if ``threadpoolctl`` is installed; else 1.
+
+``1`` disables the pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
+from typing import Any, TypeVar
+
+from ._compat import namespace_name
+
+__all__ = [
+    "DEFAULT_MAX_THREADS",
+    "ENV_VAR",
+    "get_num_threads",
+    "map_blocks",
+    "set_num_threads",
+]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+#: Upper bound of the default pool size.
+DEFAULT_MAX_THREADS = 4
+
+#: Namespaces (as :func:`namespace_name` spells them) whose element-wise work runs on one
+#: core and releases the GIL, so that concurrent blocks help.
+THREADED_LIBRARIES = frozenset({"numpy"})
+
+#: Environment variable that sets the number of threads.
+ENV_VAR = "SDPA_ARRAY_NUM_THREADS"
+
+_override: int | None = None
+
+
+def set_num_threads(n: int | None) -> None:
+    """Set the number of threads for NumPy blocks (``1`` = sequential, ``None`` = default).
+
+    Raises
+    ------
+    ValueError
+        If ``n`` is not a positive int or None.
+    """
+    global _override
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"number of threads must be a positive int or None, got {n!r}")
+    _override = n
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@functools.cache
+def _has_threadpoolctl() -> bool:
+    return importlib.util.find_spec("threadpoolctl") is not None
+
+
+def get_num_threads() -> int:
+    """Threads the NumPy blocked path uses now (see the module docstring for the order).
+
+    Raises
+    ------
+    ValueError
+        If ``SDPA_ARRAY_NUM_THREADS`` is set to something other than a positive integer.
+    """
+    if _override is not None:
+        return _override
+    raw = os.environ.get(ENV_VAR, "").strip()
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{ENV_VAR} must be a positive integer, got {raw!r}")
+        return value
+    if not _has_threadpoolctl():
+        return 1
+    return max(1, min(_cpus(), DEFAULT_MAX_THREADS))
+
+
+def map_blocks(xp: ModuleType, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """``[fn(item) for item in items]``, on a thread pool for NumPy when configured.
+
+    The results keep the order of ``items``; an exception in any ``fn`` is raised here.
+    """
+    threads = get_num_threads() if namespace_name(xp) in THREADED_LIBRARIES else 1
+    threads = min(threads, len(items))
+    if threads <= 1:
+        return [fn(item) for item in items]
+    with (
+        _single_threaded_blas(),
+        ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sdpa_array") as pool,
+    ):
+        return list(pool.map(fn, items))
+
+
+_controller: Any = None
+
+
+@contextlib.contextmanager
+def _single_threaded_blas() -> Iterator[None]:
+    """Limit BLAS to one thread per call while the pool runs (process-wide, restored after).
+
+    Does nothing without ``threadpoolctl``.
+    """
+    global _controller
+    if not _has_threadpoolctl():
+        yield
+        return
+    if _controller is None:
+        from threadpoolctl import ThreadpoolController
+
+        _controller = ThreadpoolController()
+    with _controller.limit(limits=1, user_api="blas"):
+        yield

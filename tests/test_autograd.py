@@ -1,0 +1,332 @@
+"""Gradients through ``scaled_dot_product_attention`` with the libraries' own autodiff.
+
+* torch tensors with ``requires_grad``, for every implementation (the blocked one through
+  its ``torch.autograd.Function``), against the float64 oracle's VJP within the bound of
+  :func:`tests.helpers.vjp_oracle_and_bounds`;
+* ``jax.grad`` (eager and under ``jax.jit``), the blocked path through its
+  ``jax.custom_vjp``, against the same oracle;
+* the log-sum-exp output's gradient, what the blocked path saves for backward (``O(block)``,
+  not the probabilities), and that it refuses a second derivative instead of a wrong one.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+import sdpa_array
+from sdpa_array import reference
+from sdpa_array._native import CannotDelegateError
+from tests.helpers import assert_array_like, assert_within, rounded, vjp_oracle_and_bounds
+
+#: (id, implementation, block sizes) of the forward pass that autodiff goes through.
+IMPLEMENTATIONS = [
+    pytest.param("materialized", {}, id="materialized"),
+    pytest.param("blocked", {}, id="blocked"),
+    pytest.param("blocked", {"block_q": 3, "block_k": 4}, id="blocked-3x4"),
+    pytest.param("native", {}, id="native"),
+    pytest.param("auto", {}, id="auto"),
+]
+
+# (id, q, k, v shapes, options, mask shape, bias shape)
+CASES = [
+    (
+        "mask+bias+causal",
+        (2, 3, 6, 4),
+        (2, 3, 7, 4),
+        (2, 3, 7, 4),
+        {"is_causal": True},
+        (6, 7),
+        (3, 6, 7),
+    ),
+    (
+        "gqa+window+softcap-bottom-right",
+        (1, 4, 6, 4),
+        (1, 2, 9, 4),
+        (1, 2, 9, 3),
+        {"enable_gqa": True, "window": (2, 1), "softcap": 2.0, "alignment": "bottom_right"},
+        None,
+        (1, 4, 1, 9),
+    ),
+    (
+        "dead-rows",
+        (1, 7, 4),
+        (1, 3, 4),
+        (1, 3, 4),
+        {"is_causal": True, "alignment": "bottom_right"},
+        None,
+        None,
+    ),
+]
+
+
+def _draw(case_id, q_shape, k_shape, v_shape, mask_shape, bias_shape, options):
+    rng = np.random.default_rng(zlib.crc32(case_id.encode()))
+    q, k, v = (rng.standard_normal(s) for s in (q_shape, k_shape, v_shape))
+    mask = None if mask_shape is None else rng.random(mask_shape) > 0.3
+    if mask is not None:
+        mask[..., 0] = True
+    bias = None if bias_shape is None else rng.standard_normal(bias_shape)
+    out = reference.scaled_dot_product_attention(q, k, v, mask=mask, bias=bias, **options)
+    return q, k, v, rng.standard_normal(out.shape), mask, bias
+
+
+def _attention(*args, **kwargs):
+    try:
+        return sdpa_array.scaled_dot_product_attention(*args, **kwargs)
+    except CannotDelegateError as exc:
+        pytest.skip(f"native cannot delegate: {exc}")
+
+
+def _require(backend, library):
+    if backend.library != library:
+        pytest.skip(f"{library} autodiff")
+
+
+# --------------------------------------------------------------------------------------
+# torch
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("implementation", "blocks"), IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    ("case_id", "q_shape", "k_shape", "v_shape", "options", "mask_shape", "bias_shape"),
+    [pytest.param(*c, id=c[0]) for c in CASES],
+)
+def test_torch_requires_grad(
+    backend,
+    dtype,
+    implementation,
+    blocks,
+    case_id,
+    q_shape,
+    k_shape,
+    v_shape,
+    options,
+    mask_shape,
+    bias_shape,
+):
+    _require(backend, "torch")
+    q, k, v, d_out, mask, bias = _draw(
+        case_id, q_shape, k_shape, v_shape, mask_shape, bias_shape, options
+    )
+    (tq, q64), (tk, k64), (tv, v64), (tg, g64) = (
+        rounded(backend, a, dtype) for a in (q, k, v, d_out)
+    )
+    tb, b64 = (None, None) if bias is None else rounded(backend, bias, dtype)
+    leaves = [x.requires_grad_(True) for x in (tq, tk, tv, tb) if x is not None]
+    out = _attention(
+        tq,
+        tk,
+        tv,
+        mask=None if mask is None else backend.asarray(mask),
+        bias=tb,
+        implementation=implementation,
+        **blocks,
+        **options,
+    )
+    if implementation == "blocked":
+        assert type(out.grad_fn).__name__ == "BlockedAttentionBackward"
+    out.backward(tg)
+    expected, bounds = vjp_oracle_and_bounds(
+        dtype, q64, k64, v64, g64, mask=mask, bias=b64, **options
+    )
+    names = ("dq", "dk", "dv", "dbias")[: len(leaves)]
+    for name, x, e, b in zip(names, leaves, expected, bounds, strict=True):
+        assert_array_like(x.grad, x, shape=tuple(x.shape), dtype=x.dtype)
+        assert_within(x.grad, e, b, name)
+
+
+def test_torch_blocked_saves_no_score_matrix(backend):
+    """What autograd keeps for the backward pass: ``O(block)`` on the blocked path (inputs,
+    output, log-sum-exp), the ``(L, S)`` probabilities on the materialized one."""
+    _require(backend, "torch")
+    import torch
+
+    L, S, E = 256, 512, 8
+    rng = np.random.default_rng(3)
+    q, k, v = (backend.asarray(rng.standard_normal((2, n, E)), "float32") for n in (L, S, S))
+    for x in (q, k, v):
+        x.requires_grad_(True)
+
+    def saved_bytes(implementation):
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _attention(q, k, v, implementation=implementation).sum().backward()
+        return sum(sizes)
+
+    score_matrix = 2 * L * S * 4
+    assert saved_bytes("blocked") < score_matrix / 8
+    assert saved_bytes("materialized") >= score_matrix
+
+
+def _lse_loss_and_finite_differences():
+    """Inputs, weights and the central differences of ``sum(w_out * out) + sum(w_lse * lse)``.
+
+    The differences use the library's float64 forward (materialized) on NumPy, with the step
+    and tolerance of ``tests/test_vjp.py``'s finite-difference test.
+    """
+    from tests.test_vjp import FD_STEP, FD_TOLERANCE
+
+    rng = np.random.default_rng(4)
+    arrays = [rng.standard_normal(s) for s in ((2, 5, 4), (2, 7, 4), (2, 7, 3), (2, 5, 7))]
+    w_out, w_lse = rng.standard_normal((2, 5, 3)), rng.standard_normal((2, 5))
+
+    def loss(q, k, v, bias):
+        out, lse = sdpa_array.scaled_dot_product_attention(
+            q, k, v, bias=bias, return_lse=True, implementation="materialized"
+        )
+        return float(np.sum(out * w_out) + np.sum(lse * w_lse))
+
+    expected = []
+    for which, x in enumerate(arrays):
+        g = np.zeros_like(x)
+        for idx in np.ndindex(*x.shape):
+            plus, minus = [a.copy() for a in arrays], [a.copy() for a in arrays]
+            plus[which][idx] += FD_STEP
+            minus[which][idx] -= FD_STEP
+            g[idx] = (loss(*plus) - loss(*minus)) / (2 * FD_STEP)
+        expected.append(g)
+    return arrays, w_out, w_lse, expected, FD_TOLERANCE
+
+
+def _assert_matches_differences(got, expected, tolerance):
+    for name, g, e in zip(("dq", "dk", "dv", "dbias"), got, expected, strict=True):
+        err = float(np.max(np.abs(reference.to_numpy(g) - e)))
+        bound = tolerance * max(1.0, float(np.max(np.abs(e))))
+        assert err <= bound, f"{name}: error {err:.2e} > {bound:.2e}"
+
+
+@pytest.mark.parametrize(("implementation", "blocks"), IMPLEMENTATIONS[:3])
+def test_torch_log_sum_exp_gradient(backend, implementation, blocks):
+    _require(backend, "torch")
+    import torch
+
+    arrays, w_out, w_lse, expected, tolerance = _lse_loss_and_finite_differences()
+    xs = [backend.asarray(a, "float64").requires_grad_(True) for a in arrays]
+    out, lse = sdpa_array.scaled_dot_product_attention(
+        *xs[:3], bias=xs[3], return_lse=True, implementation=implementation, **blocks
+    )
+    loss = (out * backend.asarray(w_out)).sum() + (lse * backend.asarray(w_lse)).sum()
+    _assert_matches_differences(torch.autograd.grad(loss, xs), expected, tolerance)
+
+
+def test_torch_blocked_refuses_a_second_derivative(backend):
+    _require(backend, "torch")
+    import torch
+
+    q, k, v = (
+        backend.asarray(np.ones(s), "float64").requires_grad_(True)
+        for s in ((2, 5, 4), (2, 7, 4), (2, 7, 3))
+    )
+    out = sdpa_array.scaled_dot_product_attention(q, k, v, implementation="blocked")
+    (dq,) = torch.autograd.grad((out * out).sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dq.sum().backward()
+
+
+def test_torch_without_grad_runs_the_plain_blocked_path(backend):
+    _require(backend, "torch")
+    import torch
+
+    q = backend.asarray(np.ones((2, 3, 4)), "float32").requires_grad_(True)
+    with torch.no_grad():
+        out = sdpa_array.scaled_dot_product_attention(q, q, q, implementation="blocked")
+    assert out.grad_fn is None
+    out = sdpa_array.scaled_dot_product_attention(q.detach(), q, q, implementation="blocked")
+    assert out.grad_fn is not None  # key and value still require grad
+
+
+# --------------------------------------------------------------------------------------
+# JAX
+# --------------------------------------------------------------------------------------
+
+
+#: Under ``jax.jit`` for every implementation, and eagerly for the blocked path's
+#: ``custom_vjp`` (the others are JAX's own autodiff of JAX operations either way; eager
+#: JAX compiles every operation of a new shape, which makes it the slower test).
+JAX_MODES = [
+    *(pytest.param(True, *p.values, id=f"{p.id}-jit") for p in IMPLEMENTATIONS),
+    *(pytest.param(False, *p.values, id=f"{p.id}-eager") for p in IMPLEMENTATIONS[1:3]),
+]
+
+
+@pytest.mark.parametrize(("jit", "implementation", "blocks"), JAX_MODES)
+@pytest.mark.parametrize(
+    ("case_id", "q_shape", "k_shape", "v_shape", "options", "mask_shape", "bias_shape"),
+    [pytest.param(*c, id=c[0]) for c in CASES],
+)
+def test_jax_grad(
+    backend,
+    jit,
+    implementation,
+    blocks,
+    case_id,
+    q_shape,
+    k_shape,
+    v_shape,
+    options,
+    mask_shape,
+    bias_shape,
+):
+    _require(backend, "jax")
+    import jax
+
+    dtype = "float32"  # jax.nn.dot_product_attention ("native") computes in float32
+    q, k, v, d_out, mask, bias = _draw(
+        case_id, q_shape, k_shape, v_shape, mask_shape, bias_shape, options
+    )
+    (jq, q64), (jk, k64), (jv, v64), (jg, g64) = (
+        rounded(backend, a, dtype) for a in (q, k, v, d_out)
+    )
+    jb, b64 = (None, None) if bias is None else rounded(backend, bias, dtype)
+    jmask = None if mask is None else backend.asarray(mask)
+    args = (jq, jk, jv) + ((jb,) if jb is not None else ())
+
+    def loss(q, k, v, *bias):
+        out = _attention(
+            q,
+            k,
+            v,
+            mask=jmask,
+            bias=bias[0] if bias else None,
+            implementation=implementation,
+            **blocks,
+            **options,
+        )
+        return (out * jg).sum()
+
+    grad = jax.grad(loss, argnums=tuple(range(len(args))))
+    got = (jax.jit(grad) if jit else grad)(*args)
+    expected, bounds = vjp_oracle_and_bounds(
+        dtype, q64, k64, v64, g64, mask=mask, bias=b64, **options
+    )
+    names = ("dq", "dk", "dv", "dbias")[: len(args)]
+    for name, g, x, e, b in zip(names, got, args, expected, bounds, strict=True):
+        assert_array_like(g, x, shape=tuple(x.shape), dtype=x.dtype)
+        assert_within(g, e, b, name)
+
+
+@pytest.mark.parametrize(("implementation", "blocks"), IMPLEMENTATIONS[:3])
+def test_jax_log_sum_exp_gradient(backend, implementation, blocks):
+    _require(backend, "jax")
+    import jax
+
+    arrays, w_out, w_lse, expected, tolerance = _lse_loss_and_finite_differences()
+
+    def loss(*xs):
+        out, lse = sdpa_array.scaled_dot_product_attention(
+            *xs[:3], bias=xs[3], return_lse=True, implementation=implementation, **blocks
+        )
+        return (out * w_out).sum() + (lse * w_lse).sum()
+
+    xs = [backend.asarray(a, "float64") for a in arrays]
+    _assert_matches_differences(jax.grad(loss, argnums=(0, 1, 2, 3))(*xs), expected, tolerance)

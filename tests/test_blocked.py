@@ -1,0 +1,435 @@
+"""The blocked (FlashAttention-style) implementation: oracle agreement with many small tiles,
+the tile plan (skipped blocks, full tiles), O(block) memory, block sizes and the NumPy pool.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+import zlib
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import given
+
+import sdpa_array
+from sdpa_array import _blocked, _parallel, reference
+from sdpa_array._positions import Positions
+from sdpa_array._problem import validate
+from tests.helpers import check_against_oracle
+
+
+def randn(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape)
+
+
+def use_blocks(monkeypatch, block_q, block_k):
+    """Make ``check_against_oracle``'s library calls pass these block sizes (the oracle
+    takes no such keywords)."""
+    original = sdpa_array.scaled_dot_product_attention
+
+    def attention(*args, **kwargs):
+        return original(*args, block_q=block_q, block_k=block_k, **kwargs)
+
+    monkeypatch.setattr(sdpa_array, "scaled_dot_product_attention", attention)
+
+
+# (id, q, k, v shapes, options, mask shape, bias shape, (block_q, block_k)); lengths are not
+# multiples of the tiny blocks, so there are ragged last blocks, many tiles, partial tiles on
+# the diagonals and skipped tiles. (The automatic sizes, one tile here, run in the feature
+# matrix of test_attention.py.)
+CASES = [
+    ("plain", (2, 2, 11, 4), (2, 2, 13, 4), (2, 2, 13, 3), {}, None, None, (3, 5)),
+    ("mask+bias", (2, 2, 10, 4), (2, 2, 12, 4), (2, 2, 12, 4), {}, (2, 1, 10, 12), (12,), (5, 3)),
+    (
+        "causal-top-left-L<S",
+        (1, 2, 9, 4),
+        (1, 2, 17, 4),
+        (1, 2, 17, 4),
+        {"is_causal": True},
+        None,
+        None,
+        (2, 3),
+    ),
+    (
+        "causal-bottom-right-L>S",
+        (1, 2, 17, 4),
+        (1, 2, 9, 4),
+        (1, 2, 9, 4),
+        {"is_causal": True, "alignment": "bottom_right"},
+        None,
+        None,
+        (3, 2),
+    ),
+    (
+        "window-both-sides",
+        (1, 1, 23, 4),
+        (1, 1, 23, 4),
+        (1, 1, 23, 4),
+        {"window": (4, 3)},
+        (23, 23),
+        None,
+        (4, 4),
+    ),
+    (
+        "window-bottom-right-L<S",
+        (2, 13, 4),
+        (2, 29, 4),
+        (2, 29, 2),
+        {"window": (2, 5), "alignment": "bottom_right"},
+        None,
+        (2, 13, 29),
+        (3, 7),
+    ),
+    (
+        "gqa+causal+softcap+bias",
+        (1, 4, 12, 8),
+        (1, 2, 14, 8),
+        (1, 2, 14, 8),
+        {"enable_gqa": True, "is_causal": True, "alignment": "bottom_right", "softcap": 3.0},
+        (4, 12, 14),
+        (1, 4, 1, 14),
+        (1, 5),
+    ),
+    (
+        "broadcast-batch",
+        (3, 1, 7, 4),
+        (1, 2, 11, 4),
+        (2, 11, 5),
+        {"scale": 0.3},
+        None,
+        None,
+        (4, 3),
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(
+    ("q_shape", "k_shape", "v_shape", "options", "mask_shape", "bias_shape", "blocks"),
+    [c[1:] for c in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_blocked_matches_oracle(
+    backend, monkeypatch, dtype, q_shape, k_shape, v_shape, options, mask_shape, bias_shape, blocks
+):
+    use_blocks(monkeypatch, *blocks)
+    rng = np.random.default_rng(zlib.crc32(repr((q_shape, k_shape, options)).encode()))
+    mask = None if mask_shape is None else rng.random(mask_shape) > 0.25
+    bias = None if bias_shape is None else randn(rng, *bias_shape)
+    check_against_oracle(
+        backend,
+        dtype,
+        randn(rng, *q_shape),
+        randn(rng, *k_shape),
+        randn(rng, *v_shape),
+        mask=mask,
+        bias=bias,
+        implementation="blocked",
+        return_weights=False,
+        **options,
+    )
+
+
+@pytest.mark.parametrize(("block_q", "block_k"), [(2, 3), (4, 4)])
+def test_fully_masked_rows_and_blocks(backend_dtype, monkeypatch, block_q, block_k):
+    """Rows excluded by mask, by a -inf bias, and whole key blocks excluded for a row."""
+    backend, dtype = backend_dtype
+    use_blocks(monkeypatch, block_q, block_k)
+    rng = np.random.default_rng(11)
+    q, k, v = randn(rng, 2, 9, 4), randn(rng, 2, 10, 4), randn(rng, 2, 10, 3)
+    mask = rng.random((2, 9, 10)) > 0.3
+    mask[0, 1] = False  # a whole row, by the mask
+    mask[0, 2, :6] = False  # the first key blocks of a row: the running max starts late
+    bias = randn(rng, 2, 9, 10)
+    bias[1, 3] = -np.inf  # a whole row, by the bias
+    out, _, lse = check_against_oracle(
+        backend,
+        dtype,
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        implementation="blocked",
+        return_weights=False,
+    )
+    for row in ((0, 1), (1, 3)):
+        assert np.all(reference.to_numpy(out)[row] == 0)
+        assert reference.to_numpy(lse)[row] == -np.inf
+
+
+def test_online_softmax_rescales_large_logits(backend_dtype, monkeypatch):
+    """Scores in the thousands, rising from block to block: every block rescales."""
+    backend, dtype = backend_dtype
+    use_blocks(monkeypatch, 4, 3)
+    rng = np.random.default_rng(12)
+    q = randn(rng, 2, 6, 16) * 40.0
+    k = randn(rng, 2, 13, 16) * 40.0 * np.linspace(0.2, 1.0, 13)[:, None]
+    v = randn(rng, 2, 13, 4)
+    _, _, lse = check_against_oracle(
+        backend,
+        dtype,
+        q,
+        k,
+        v,
+        scale=1.0,
+        implementation="blocked",
+        return_weights=False,
+    )
+    assert np.abs(reference.to_numpy(lse)).max() > 1000.0
+
+
+def test_return_weights_falls_back_to_materialized(backend):
+    rng = np.random.default_rng(13)
+    q, k, v = (backend.asarray(randn(rng, 2, 5, 3), "float32") for _ in range(3))
+    blocked = sdpa_array.scaled_dot_product_attention(
+        q, k, v, return_weights=True, implementation="blocked", block_q=2, block_k=2
+    )
+    materialized = sdpa_array.scaled_dot_product_attention(
+        q, k, v, return_weights=True, implementation="materialized"
+    )
+    for a, b in zip(blocked, materialized, strict=True):
+        np.testing.assert_array_equal(reference.to_numpy(a), reference.to_numpy(b))
+
+
+# ----------------------------------------------------------------------------------------
+# the tile plan: pure Python, checked against an explicit positional mask
+# ----------------------------------------------------------------------------------------
+
+
+def positional_mask(pos: Positions) -> np.ndarray:
+    i = np.arange(pos.L)[:, None]
+    j = np.arange(pos.S)[None, :]
+    rel = j - i - pos.offset
+    ok = np.ones((pos.L, pos.S), dtype=bool)
+    if pos.is_causal:
+        ok &= rel <= 0
+    if pos.right is not None:
+        ok &= rel <= pos.right
+    if pos.left is not None:
+        ok &= rel >= -pos.left
+    return ok
+
+
+@st.composite
+def plans(draw):
+    L = draw(st.integers(1, 40))
+    S = draw(st.integers(1, 40))
+    side = st.none() | st.integers(0, 12)
+    pos = Positions(
+        L=L,
+        S=S,
+        is_causal=draw(st.booleans()),
+        left=draw(side),
+        right=draw(side),
+        offset=draw(st.sampled_from([0, S - L])),
+    )
+    return pos, draw(st.integers(1, 12)), draw(st.integers(1, 12))
+
+
+@given(plans())
+def test_plan_covers_every_admissible_pair_once(plan):
+    pos, bq, bk = plan
+    ok = positional_mask(pos)
+    covered = np.zeros((pos.L, pos.S), dtype=int)
+    blocks = _blocked.plan_blocks(pos, bq, bk)
+    assert [(b.start, b.stop) for b in blocks] == [
+        (q0, min(q0 + bq, pos.L)) for q0 in range(0, pos.L, bq)
+    ]
+    for block in blocks:
+        for tile in block.tiles:
+            assert 0 <= tile.start < tile.stop <= pos.S
+            assert tile.stop - tile.start <= bk
+            region = ok[block.start : block.stop, tile.start : tile.stop]
+            assert region.any(), "a tile with no admissible pair was visited"
+            assert tile.full == bool(region.all())
+            covered[block.start : block.stop, tile.start : tile.stop] += 1
+    assert covered.max(initial=0) <= 1
+    np.testing.assert_array_equal(covered[ok], 1)
+
+
+def test_causal_plan_visits_about_half_the_tiles():
+    pos = Positions(L=1024, S=1024, is_causal=True, left=None, right=None, offset=0)
+    blocks = _blocked.plan_blocks(pos, 64, 64)
+    area = sum((b.stop - b.start) * (t.stop - t.start) for b in blocks for t in b.tiles)
+    assert area == 1024 * 1024 // 2 + 1024 * 64 // 2
+    partial = [t for b in blocks for t in b.tiles if not t.full]
+    assert len(partial) == 16  # one diagonal tile per query block needs the positional where
+
+
+def test_window_plan_skips_blocks_on_both_sides():
+    pos = Positions(L=100, S=100, is_causal=False, left=10, right=5, offset=0)
+    blocks = _blocked.plan_blocks(pos, 10, 10)
+    middle = blocks[5]  # queries 50..59 reach keys 40..64
+    assert (middle.tiles[0].start, middle.tiles[-1].stop) == (40, 65)
+    assert sum(t.stop - t.start for b in blocks for t in b.tiles) < 100 * len(blocks) // 3
+
+
+def test_blocked_computes_only_the_planned_tiles(monkeypatch):
+    """Count score tiles actually formed: causal skips every tile above the diagonal."""
+    formed = []
+    original = _blocked.tile_scores
+
+    def counting(p, q, k, mask, bias, rows, cols):
+        formed.append((rows.start, rows.stop, cols.start, cols.stop))
+        return original(p, q, k, mask, bias, rows, cols)
+
+    monkeypatch.setattr(_blocked, "tile_scores", counting)
+    rng = np.random.default_rng(14)
+    q, k, v = randn(rng, 3, 40, 4), randn(rng, 3, 40, 4), randn(rng, 3, 40, 4)
+    sdpa_array.scaled_dot_product_attention(
+        q, k, v, is_causal=True, implementation="blocked", block_q=8, block_k=8
+    )
+    assert formed, "the blocked implementation formed no tile"
+    for q0, q1, k0, _ in formed:
+        assert k0 <= q1 - 1, f"tile {q0}:{q1} x {k0}: is entirely above the diagonal"
+    planned = _blocked.plan_blocks(
+        Positions(L=40, S=40, is_causal=True, left=None, right=None, offset=0), 8, 8
+    )
+    # the 3 batch elements share one tile (they fit the tile budget together)
+    assert sorted(formed) == sorted(
+        (b.start, b.stop, t.start, t.stop) for b in planned for t in b.tiles
+    )
+    assert len(formed) < (40 // 8) ** 2
+
+
+# ----------------------------------------------------------------------------------------
+# memory, block sizes, the thread pool
+# ----------------------------------------------------------------------------------------
+
+
+def test_memory_is_o_block_not_o_scores():
+    """tracemalloc sees NumPy's buffers: the peak stays far below one score matrix."""
+    L = S = 8192
+    rng = np.random.default_rng(15)
+    q, k, v = (rng.standard_normal((1, n, 8), dtype=np.float32) for n in (L, S, S))
+    score_bytes = L * S * 4  # 256 MiB for the materialized path
+    tracemalloc.start()
+    try:
+        out = sdpa_array.scaled_dot_product_attention(q, k, v, implementation="blocked")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out.shape == (1, L, 8)
+    tiles_alive = 3 * _parallel.get_num_threads() * _blocked.TILE_BYTES  # s, exp(s), slack
+    assert peak < tiles_alive + 8 * q.nbytes
+    assert peak < score_bytes / 8
+
+
+def test_auto_uses_blocked_for_large_score_matrices(monkeypatch):
+    calls = []
+    original = _blocked.blocked_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa_array._api, "blocked_attention", spy)
+    rng = np.random.default_rng(16)
+    big = rng.standard_normal((1, 2048, 4), dtype=np.float32)  # 16 MiB of float32 scores
+    sdpa_array.scaled_dot_product_attention(big, big, big)
+    assert len(calls) == 1
+    small = big[:, :64]
+    sdpa_array.scaled_dot_product_attention(small, small, small)
+    assert len(calls) == 1
+    sdpa_array.scaled_dot_product_attention(small, small, small, block_q=16)
+    assert len(calls) == 2
+
+
+def problem(L, S, dtype=np.float32):
+    q = np.zeros((1, L, 8), dtype=dtype)
+    k = np.zeros((1, S, 8), dtype=dtype)
+    return validate(
+        q,
+        k,
+        k,
+        mask=None,
+        bias=None,
+        is_causal=False,
+        window=None,
+        alignment="top_left",
+        scale=None,
+        softcap=None,
+        enable_gqa=False,
+    )
+
+
+def test_automatic_block_sizes():
+    assert _blocked.choose_block_sizes(problem(5, 7)) == (5, 7)
+    bq, bk = _blocked.choose_block_sizes(problem(4096, 4096))
+    assert bq * bk * 4 <= _blocked.TILE_BYTES
+    assert bk >= 1024
+    assert bq >= 128
+    bq64, bk64 = _blocked.choose_block_sizes(problem(4096, 4096, np.float64))
+    assert bq64 * bk64 * 8 <= _blocked.TILE_BYTES
+    # balanced: no sliver of a last block
+    _, bk = _blocked.choose_block_sizes(problem(64, _blocked.MAX_BLOCK_K + 4))
+    assert bk % _blocked.BLOCK_ALIGN == 0
+    assert (_blocked.MAX_BLOCK_K + 4) % bk > bk // 2
+    assert _blocked.choose_block_sizes(problem(100, 100), 7, None)[0] == 7
+    assert _blocked.choose_block_sizes(problem(100, 100), 1000, 1000) == (100, 100)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_block_sizes_are_validated(bad):
+    q = np.zeros((4, 3))
+    with pytest.raises(ValueError, match="block_q must be a positive int"):
+        sdpa_array.scaled_dot_product_attention(q, q, q, implementation="blocked", block_q=bad)
+    with pytest.raises(ValueError, match="block_k must be a positive int"):
+        sdpa_array.scaled_dot_product_attention(q, q, q, block_k=bad)
+
+
+def test_block_sizes_belong_to_blocked():
+    q = np.zeros((4, 3))
+    with pytest.raises(ValueError, match="apply to the blocked implementation"):
+        sdpa_array.scaled_dot_product_attention(q, q, q, implementation="materialized", block_q=2)
+
+
+def test_thread_pool_gives_identical_results(monkeypatch):
+    rng = np.random.default_rng(17)
+    q, k, v = randn(rng, 2, 3, 50, 8), randn(rng, 2, 3, 60, 8), randn(rng, 2, 3, 60, 8)
+    results = []
+    for threads in (1, 3):
+        monkeypatch.setattr(_parallel, "_override", threads)
+        results.append(
+            sdpa_array.scaled_dot_product_attention(
+                q, k, v, is_causal=True, return_lse=True, block_q=7, block_k=9
+            )
+        )
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_thread_configuration(monkeypatch):
+    monkeypatch.setattr(_parallel, "_override", None)
+    monkeypatch.setenv(_parallel.ENV_VAR, "3")
+    assert _parallel.get_num_threads() == 3
+    monkeypatch.setenv(_parallel.ENV_VAR, "zero")
+    with pytest.raises(ValueError, match=_parallel.ENV_VAR):
+        _parallel.get_num_threads()
+    monkeypatch.delenv(_parallel.ENV_VAR)
+    assert 1 <= _parallel.get_num_threads() <= _parallel.DEFAULT_MAX_THREADS
+    _parallel.set_num_threads(2)
+    assert _parallel.get_num_threads() == 2
+    _parallel.set_num_threads(None)
+    with pytest.raises(ValueError, match="positive int"):
+        _parallel.set_num_threads(0)
+
+
+def test_pool_only_for_numpy(backend, monkeypatch):
+    """Other libraries run blocks one after the other, in the calling thread."""
+    import threading
+
+    monkeypatch.setattr(_parallel, "_override", 4)
+    xp = backend.namespace()
+    threads = set()
+    _parallel.map_blocks(
+        sdpa_array._compat.array_namespace({"x": backend.asarray(np.zeros(2), "float32")}),
+        lambda item: threads.add(threading.get_ident()),
+        list(range(8)),
+    )
+    if backend.id == "numpy":
+        assert threading.get_ident() not in threads
+    else:
+        assert threads == {threading.get_ident()}, xp.__name__
