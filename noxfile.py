@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import os
+
 import nox
 
 nox.options.default_venv_backend = "virtualenv"
@@ -75,24 +77,24 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """Run the asv suite (quick profile) against this checkout and publish the HTML."""
+    """Run the asv suite (quick profile) against this checkout and publish the HTML.
+
+    ``SDPA_BENCH_PROFILE=full`` (passed through from the environment) adds L = S = 4096,
+    float16 and L = S = 32768.
+    """
     session.install(TORCH)
-    session.install("-e", ".[bench]")
+    session.install("-e", ".[bench,torch,perf]")
     session.chdir("asv_benchmarks")
     session.run("asv", "machine", "--yes")
+    head = str(session.run("git", "rev-parse", "HEAD", external=True, silent=True)).strip()
     session.run(
         "asv",
         "run",
         "--python=same",
         "--quick",
         "--show-stderr",
-        "--set-commit-hash",
-        _head(session),
+        f"--set-commit-hash={head}",
         *session.posargs,
+        env={"SDPA_BENCH_PROFILE": os.environ.get("SDPA_BENCH_PROFILE", "quick")},
     )
     session.run("asv", "publish")
-
-
-def _head(session: nox.Session) -> str:
-    out = session.run("git", "rev-parse", "HEAD", external=True, silent=True)
-    return str(out).strip()

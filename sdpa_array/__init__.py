@@ -8,7 +8,15 @@ NumPy oracle with the same arguments.
 """
 
 from ._api import scaled_dot_product_attention
+from ._native import CannotDelegateError
+from ._parallel import get_num_threads, set_num_threads
 from ._vjp import scaled_dot_product_attention_vjp
 
-__all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_vjp"]
+__all__ = [
+    "CannotDelegateError",
+    "get_num_threads",
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_vjp",
+    "set_num_threads",
+]
 __version__ = "0.1.0"
