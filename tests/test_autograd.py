@@ -82,7 +82,7 @@ def _attention(*args, **kwargs):
 
 def _require(backend, library):
     if backend.library != library:
-        pytest.skip(f"{library} autodiff")
+        pytest.skip(f"tests {library}'s own autodiff; backend {backend.id!r} holds other arrays")
 
 
 # --------------------------------------------------------------------------------------
