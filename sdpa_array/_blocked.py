@@ -34,6 +34,7 @@ from ._positions import Positions
 from ._problem import Problem
 from ._result import AttentionResult
 from ._scores import (
+    exp_shift,
     log_sum_exp,
     prepare_operands,
     prepare_score_terms,
@@ -235,15 +236,13 @@ def _query_block(
     q = _at(ops.q, index)[..., rows, :]
     k, v = _at(ops.k, index), _at(ops.v, index)
     mask, bias = _at(ops.mask, index), _at(ops.bias, index)
-    neg_inf = xp.asarray(-math.inf, dtype=p.compute_dtype, device=p.device)
-    zero = xp.asarray(0.0, dtype=p.compute_dtype, device=p.device)
     running_max = total = acc = ref = None
     for tile in block.tiles:
         cols = slice(tile.start, tile.stop)
         s = tile_scores(p, q, k[..., cols, :], mask, bias, rows, cols)
         tile_max = xp.max(s, axis=-1, keepdims=True)
         new_max = tile_max if running_max is None else xp.maximum(running_max, tile_max)
-        new_ref = xp.where(new_max == neg_inf, zero, new_max)  # never -inf - (-inf)
+        new_ref = exp_shift(p, new_max)
         s -= new_ref  # in place where the library allows; rebinds otherwise
         e = xp.exp(s)
         del s

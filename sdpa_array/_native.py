@@ -36,7 +36,7 @@ from typing import Any
 from ._compat import namespace_name
 from ._problem import Problem
 from ._result import AttentionResult
-from ._scores import prepare_operands, prepare_score_terms, tile_scores, ungroup
+from ._scores import exp_shift, prepare_operands, prepare_score_terms, tile_scores, ungroup
 
 __all__ = [
     "NATIVE_KERNELS",
@@ -203,8 +203,7 @@ def _weights_from_lse(p: Problem, req: Request, lse: Any) -> Any:
     lse = xp.astype(lse, p.compute_dtype, copy=False)
     if p.grouped:
         lse = xp.reshape(lse, (*lse.shape[:-2], p.heads_kv, p.groups, p.L))
-    ref = xp.where(lse == -math.inf, xp.zeros_like(lse), lse)
-    return ungroup(p, xp.exp(s - ref[..., None]))
+    return ungroup(p, xp.exp(s - exp_shift(p, lse)[..., None]))
 
 
 def _finish(p: Problem, req: Request, terms: _Terms, out: Any, lse: Any) -> AttentionResult:

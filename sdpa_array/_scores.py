@@ -111,10 +111,18 @@ def tile_scores(
     ``q`` and ``k`` are the prepared operands already cut to ``rows`` and ``cols``;
     ``mask`` and ``bias`` are the prepared (uncut) terms.
     """
-    xp = p.xp
-    s = xp.matmul(q, xp.matrix_transpose(k))
+    s = p.xp.matmul(q, p.xp.matrix_transpose(k))
     if p.softcap is not None:
-        s = xp.tanh(s * (p.scale / p.softcap)) * p.softcap
+        s = p.xp.tanh(s * (p.scale / p.softcap)) * p.softcap
+    return apply_score_terms(p, s, mask, bias, rows, cols)
+
+
+def apply_score_terms(p: Problem, s: Any, mask: Any, bias: Any, rows: slice, cols: slice) -> Any:
+    """Add the bias to a tile's (soft-capped) scores and write ``-inf`` where excluded.
+
+    Excluded means: ``mask`` is False, or the causal/window restrictions rule the pair out.
+    """
+    xp = p.xp
     b = tile_of(bias, rows, cols)
     if b is not None:
         s = s + b
@@ -132,9 +140,17 @@ def safe_row_max(p: Problem, s: Any) -> Any:
 
     Subtracting it keeps ``exp`` in range and never forms ``-inf - (-inf)``.
     """
+    return exp_shift(p, p.xp.max(s, axis=-1, keepdims=True))
+
+
+def exp_shift(p: Problem, x: Any) -> Any:
+    """``x`` (a row maximum or log-sum-exp) with ``-inf`` replaced by 0, to subtract before ``exp``.
+
+    A row whose reference is ``-inf`` has only ``-inf`` scores: ``exp(score - 0)`` gives its
+    exact zeros, where ``exp(-inf - (-inf))`` would give NaN.
+    """
     xp = p.xp
-    m = xp.max(s, axis=-1, keepdims=True)
-    return xp.where(m == -math.inf, xp.zeros_like(m), m)
+    return xp.where(x == -math.inf, xp.zeros_like(x), x)
 
 
 def safe_reciprocal(p: Problem, total: Any) -> Any:

@@ -22,18 +22,18 @@ gradients are exactly zero, never NaN.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from ._problem import Problem
 from ._scores import (
     _grouped_operand,
+    apply_score_terms,
+    exp_shift,
     prepare_operands,
     prepare_score_terms,
     safe_reciprocal,
     safe_row_max,
-    tile_of,
 )
 
 
@@ -178,10 +178,10 @@ def tile_logits(
 ) -> tuple[Any, Any]:
     """Final scores of a tile and the factor that takes their gradient back to ``q kᵀ``.
 
-    The scores are those of :func:`sdpa_array._scores.tile_scores`, built in the same order
-    from the same pieces; this version also keeps ``tanh``, whose derivative the soft-cap
-    needs. The factor is ``scale * (1 - tanh²)`` with a soft-cap and ``None`` without one
-    (the scale is then already in ``q``).
+    The scores are those of :func:`sdpa_array._scores.tile_scores` (the same product,
+    soft-cap and :func:`~sdpa_array._scores.apply_score_terms`); this version also keeps
+    ``tanh``, whose derivative the soft-cap needs. The factor is ``scale * (1 - tanh²)``
+    with a soft-cap and ``None`` without one (the scale is then already in ``q``).
     """
     xp = p.xp
     s = xp.matmul(q, xp.matrix_transpose(k))
@@ -190,16 +190,7 @@ def tile_logits(
         t = xp.tanh(s * (p.scale / p.softcap))
         factor = (1.0 - t * t) * p.scale
         s = t * p.softcap
-    b = tile_of(bias, rows, cols)
-    if b is not None:
-        s = s + b
-    allowed = tile_of(mask, rows, cols)
-    positional = p.positions.tile_mask(xp, p.device, rows.start, rows.stop, cols.start, cols.stop)
-    if positional is not None:
-        allowed = positional if allowed is None else xp.logical_and(allowed, positional)
-    if allowed is not None:
-        s = xp.where(allowed, s, xp.asarray(-math.inf, dtype=s.dtype, device=p.device))
-    return s, factor
+    return apply_score_terms(p, s, mask, bias, rows, cols), factor
 
 
 def probabilities(p: Problem, s: Any, lse_rows: Any | None) -> Any:
@@ -221,13 +212,8 @@ def probabilities(p: Problem, s: Any, lse_rows: Any | None) -> Any:
 
 
 def safe_lse(p: Problem, lse: Any) -> Any:
-    """The log-sum-exp with ``-inf`` (no admissible key) replaced by 0.
-
-    Such a row has only ``-inf`` scores, so ``exp(score - 0)`` gives the exact zeros that
-    ``exp(-inf - (-inf))`` would have turned into NaN.
-    """
-    xp = p.xp
-    return xp.where(lse == -math.inf, xp.zeros_like(lse), lse)
+    """The log-sum-exp with ``-inf`` (no admissible key) replaced by 0: see ``exp_shift``."""
+    return exp_shift(p, lse)
 
 
 def row_delta(p: Problem, d_out: Any, out: Any, grad_lse: Any) -> Any:
