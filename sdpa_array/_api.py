@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Literal
 
+from ._autograd import differentiable
 from ._blocked import TILE_BYTES, blocked_attention
 from ._materialized import materialized_attention
 from ._native import CannotDelegateError, Request, native_attention, plan_native
@@ -213,8 +214,6 @@ def scaled_dot_product_attention(
     if p.S == 0 or p.L == 0:
         result = empty_result(p)
     else:
-        from ._autograd import differentiable  # blocked path: O(block) torch/JAX autograd
-
         result = differentiable(run)(
             p,
             query,
