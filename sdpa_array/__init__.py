@@ -1,16 +1,17 @@
 """Scaled dot-product attention written once against the Python Array API standard.
 
-The one public function, :func:`scaled_dot_product_attention`, runs on the arrays the caller
-holds (NumPy, CuPy, torch, JAX, Dask, array-api-strict) and returns arrays of the same
-library, dtype and device; :func:`scaled_dot_product_attention_vjp` gives its gradients on
-the same libraries, autograd or not. :mod:`sdpa_array.reference` is an independent float64
-NumPy oracle with the same arguments.
+:func:`scaled_dot_product_attention` runs on the arrays the caller holds (NumPy, CuPy,
+torch, JAX, Dask, array-api-strict) and returns arrays of the same library, dtype and
+device; :func:`scaled_dot_product_attention_vjp` gives its gradients on the same libraries,
+autograd or not. :mod:`sdpa_array.reference` is an independent float64 NumPy oracle with the
+same arguments, and :mod:`sdpa_array.testing` checks any result against it.
 """
 
-from ._api import scaled_dot_product_attention
-from ._native import CannotDelegateError
-from ._parallel import get_num_threads, set_num_threads
-from ._vjp import scaled_dot_product_attention_vjp
+from importlib.metadata import PackageNotFoundError, version
+
+from ._api import scaled_dot_product_attention, scaled_dot_product_attention_vjp
+from ._kernels.native import CannotDelegateError
+from ._kernels.parallel import get_num_threads, set_num_threads
 
 __all__ = [
     "CannotDelegateError",
@@ -19,4 +20,8 @@ __all__ = [
     "scaled_dot_product_attention_vjp",
     "set_num_threads",
 ]
-__version__ = "0.1.0"
+
+try:
+    __version__ = version("sdpa_array")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"

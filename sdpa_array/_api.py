@@ -1,94 +1,139 @@
-"""The public entry point: validate, choose an implementation, run it, pack the result."""
+"""The public entry points, forward and VJP: validate, choose, run, finish.
+
+Both read the same way: :func:`~sdpa_array._problem.validate` checks every argument into a
+:class:`~sdpa_array._problem.Problem` before any array work;
+:func:`~sdpa_array._dispatch.choose` picks the implementation from the one table;
+the kernel runs (the forward through :mod:`sdpa_array._autograd`, which wraps it for torch
+and JAX autodiff where needed); :mod:`sdpa_array._result` casts and packs the result.
+"""
 
 from __future__ import annotations
 
-import functools
-import math
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal, overload
 
-from ._autograd import differentiable
-from ._blocked import TILE_BYTES, blocked_attention
-from ._materialized import materialized_attention
-from ._native import CannotDelegateError, Request, native_attention, plan_native
-from ._problem import Problem, validate
-from ._result import AttentionResult, empty_result, finalize
+from . import _autograd
+from ._compat import array_namespace
+from ._dispatch import choose
+from ._kernels.native import Request
+from ._problem import Inputs, Problem, check_flag, validate
+from ._result import empty_result, finalize, finish_gradients, zero_gradients
+from ._typing import Alignment, Array, ImplementationName, VJPImplementationName
 
-Implementation = Callable[..., AttentionResult]
-
-#: Implementations by name; each takes ``(problem, query, key, value, mask, bias,
-#: return_weights=..., return_lse=...)`` and returns an :class:`AttentionResult`.
-IMPLEMENTATIONS: dict[str, Implementation] = {
-    "materialized": materialized_attention,
-    "blocked": blocked_attention,
-    "native": native_attention,
-}
-
-ImplementationName = Literal["auto", "materialized", "blocked", "native"]
-
-#: ``"auto"`` runs the blocked implementation when the score matrix of the whole call (in
-#: the compute dtype) would exceed this many bytes, i.e. more than one tile: then the
-#: materialized path's passes run from main memory instead of cache (measured with NumPy:
-#: blocked is 2 to 5 times faster from 2 MiB of scores on), and its memory grows as
-#: ``L * S``.
-AUTO_BLOCKED_BYTES = TILE_BYTES
+__all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_vjp"]
 
 
-def _score_bytes(p: Problem) -> int:
-    return math.prod(p.score_shape) * (p.xp.finfo(p.compute_dtype).bits // 8)
+@overload
+def scaled_dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    /,
+    *,
+    mask: Array | None = ...,
+    bias: Array | None = ...,
+    is_causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    alignment: Alignment = ...,
+    scale: float | None = ...,
+    softcap: float | None = ...,
+    enable_gqa: bool = ...,
+    return_weights: Literal[False] = ...,
+    return_lse: Literal[False] = ...,
+    implementation: ImplementationName = ...,
+    block_q: int | None = ...,
+    block_k: int | None = ...,
+) -> Array: ...
 
 
-def _choose(
-    p: Problem, implementation: str, request: Request, blocks: tuple[int | None, int | None]
-) -> Implementation:
-    """The implementation that runs the call (see ``implementation`` in the public docs)."""
-    choices = ("auto", *IMPLEMENTATIONS)
-    if implementation not in choices:
-        raise ValueError(f"implementation must be one of {choices}, got {implementation!r}")
-    sized = any(b is not None for b in blocks)
-    if sized and implementation not in ("auto", "blocked"):
-        raise ValueError(
-            f"block_q/block_k apply to the blocked implementation, not {implementation!r}"
-        )
-    blocked = functools.partial(blocked_attention, block_q=blocks[0], block_k=blocks[1])
-    if implementation == "blocked" or (implementation == "auto" and sized):
-        return blocked
-    if implementation != "auto":
-        return IMPLEMENTATIONS[implementation]
-    if request.return_weights:  # the weights are the score matrix: form it once
-        return materialized_attention
-    large = _score_bytes(p) > AUTO_BLOCKED_BYTES
-    try:
-        delegation = plan_native(p, request)
-    except CannotDelegateError:
-        delegation = None
-    if delegation is not None and not (
-        large and (delegation.builds_mask or not delegation.memory_efficient)
-    ):
-        return native_attention
-    return blocked if large else materialized_attention
+@overload
+def scaled_dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    /,
+    *,
+    mask: Array | None = ...,
+    bias: Array | None = ...,
+    is_causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    alignment: Alignment = ...,
+    scale: float | None = ...,
+    softcap: float | None = ...,
+    enable_gqa: bool = ...,
+    return_weights: Literal[True],
+    return_lse: Literal[False] = ...,
+    implementation: ImplementationName = ...,
+    block_q: int | None = ...,
+    block_k: int | None = ...,
+) -> tuple[Array, Array]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    /,
+    *,
+    mask: Array | None = ...,
+    bias: Array | None = ...,
+    is_causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    alignment: Alignment = ...,
+    scale: float | None = ...,
+    softcap: float | None = ...,
+    enable_gqa: bool = ...,
+    return_weights: Literal[False] = ...,
+    return_lse: Literal[True],
+    implementation: ImplementationName = ...,
+    block_q: int | None = ...,
+    block_k: int | None = ...,
+) -> tuple[Array, Array]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    /,
+    *,
+    mask: Array | None = ...,
+    bias: Array | None = ...,
+    is_causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    alignment: Alignment = ...,
+    scale: float | None = ...,
+    softcap: float | None = ...,
+    enable_gqa: bool = ...,
+    return_weights: Literal[True],
+    return_lse: Literal[True],
+    implementation: ImplementationName = ...,
+    block_q: int | None = ...,
+    block_k: int | None = ...,
+) -> tuple[Array, Array, Array]: ...
 
 
 def scaled_dot_product_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: Array,
+    key: Array,
+    value: Array,
     /,
     *,
-    mask: Any | None = None,
-    bias: Any | None = None,
+    mask: Array | None = None,
+    bias: Array | None = None,
     is_causal: bool = False,
     window: tuple[int | None, int | None] | None = None,
-    alignment: Literal["top_left", "bottom_right"] = "top_left",
+    alignment: Alignment = "top_left",
     scale: float | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
     return_weights: bool = False,
     return_lse: bool = False,
-    implementation: ImplementationName | str = "auto",
+    implementation: ImplementationName = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
-) -> Any:
+) -> Array | tuple[Array, ...]:
     r"""Scaled dot-product attention on any Array-API array library.
 
     Computes ``softmax(softcap(Q Kᵀ · scale) + bias, masked) · V`` row by row, in at least
@@ -143,7 +188,7 @@ def scaled_dot_product_attention(
           (``torch.nn.functional.scaled_dot_product_attention``, torch's CPU
           flash-attention kernel when the log-sum-exp is wanted, or
           ``jax.nn.dot_product_attention``) where that computes it exactly, and raises
-          :class:`~sdpa_array._native.CannotDelegateError` (a ``ValueError``) naming the
+          :class:`~sdpa_array.CannotDelegateError` (a ``ValueError``) naming the
           reason otherwise (e.g. ``softcap``, NumPy arrays).
         * ``"auto"``: the materialized path when ``return_weights`` is asked; otherwise
           native when it applies, unless the score matrix would be large (over
@@ -206,22 +251,149 @@ def scaled_dot_product_attention(
         softcap=softcap,
         enable_gqa=enable_gqa,
     )
-    for flag_name, flag in (("return_weights", return_weights), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
-    request = Request(query, key, value, mask, bias, return_weights, return_lse)
-    run = _choose(p, implementation, request, (block_q, block_k))
+    check_flag("return_weights", return_weights)
+    check_flag("return_lse", return_lse)
+    x = Inputs(query, key, value, mask, bias)
+    request = Request(x, return_weights, return_lse)
+    choice = choose(p, implementation, (block_q, block_k), request=request)
     if p.S == 0 or p.L == 0:
         result = empty_result(p)
     else:
-        result = differentiable(run)(
-            p,
-            query,
-            key,
-            value,
-            mask,
-            bias,
-            return_weights=return_weights,
-            return_lse=return_lse,
+        result = _autograd.forward(
+            choice, p, x, return_weights=return_weights, return_lse=return_lse
         )
     return finalize(p, result, return_weights=return_weights, return_lse=return_lse)
+
+
+def _check_grad_output(p: Problem, query: Array, grad_output: Array) -> None:
+    try:
+        array_namespace({"query": query, "grad_output": grad_output})
+    except TypeError:
+        kind = f"{type(grad_output).__module__}.{type(grad_output).__qualname__}"
+        raise TypeError(
+            "grad_output must be an array of the inputs' library "
+            f"({type(query).__module__}.{type(query).__qualname__}), got {kind}"
+        ) from None
+    if grad_output.dtype != query.dtype:
+        raise TypeError(
+            f"grad_output must have the output's dtype {query.dtype}, got {grad_output.dtype}"
+        )
+    if tuple(grad_output.shape) != p.out_shape:
+        raise ValueError(
+            f"grad_output has shape {tuple(grad_output.shape)}; it must have the output's "
+            f"shape (..., Hq, L, Ev) = {p.out_shape}"
+        )
+
+
+def scaled_dot_product_attention_vjp(
+    query: Array,
+    key: Array,
+    value: Array,
+    grad_output: Array,
+    /,
+    *,
+    mask: Array | None = None,
+    bias: Array | None = None,
+    is_causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    alignment: Alignment = "top_left",
+    scale: float | None = None,
+    softcap: float | None = None,
+    enable_gqa: bool = False,
+    implementation: VJPImplementationName = "auto",
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> tuple[Array, ...]:
+    r"""Gradients of :func:`scaled_dot_product_attention` for an output cotangent.
+
+    Returns ``(dL/dQ, dL/dK, dL/dV[, dL/dBias])`` for ``L = sum(out * grad_output)``: the
+    vector-Jacobian product, on any Array-API library, including those without autograd
+    (NumPy, CuPy, array-api-strict, Dask).
+
+    Parameters
+    ----------
+    query, key, value : array
+        As for :func:`scaled_dot_product_attention`.
+    grad_output : array, shape (..., Hq, L, Ev)
+        Cotangent of the output: exactly the output's shape, same library and dtype.
+    mask, bias, is_causal, window, alignment, scale, softcap, enable_gqa
+        As for :func:`scaled_dot_product_attention`; ``mask`` has no gradient.
+    implementation : {"auto", "materialized", "blocked"}, default "auto"
+        ``"materialized"`` forms the full score matrix once; ``"blocked"`` works tile by
+        tile in ``O(block_q * block_k)`` memory per batch element, skipping the tiles that
+        causal or window restrictions exclude. ``"auto"`` chooses as the forward does:
+        blocked when block sizes are given or the score matrix would be large.
+    block_q, block_k : int, optional
+        Block sizes of the blocked implementation (chosen from the shapes by default).
+
+    Returns
+    -------
+    grad_query : array
+        Same shape, dtype, library and device as ``query``.
+    grad_key, grad_value : array
+        Same as ``key`` and ``value``; with ``enable_gqa`` summed over each group of query
+        heads, and with broadcast batch axes summed back to the input's own shape.
+    grad_bias : array
+        Only if ``bias`` is given: same shape and dtype as ``bias``, summed over the axes
+        along which it was broadcast.
+
+    Raises
+    ------
+    TypeError
+        As for the forward; also a ``grad_output`` that is not an array of the same
+        library, or whose dtype is not the output's.
+    ValueError
+        As for the forward; also a ``grad_output`` whose shape is not the output's, an
+        unknown ``implementation``, or block sizes for the materialized implementation.
+
+    Notes
+    -----
+    With ``Z`` the final scores, ``P = softmax(Z)`` and the softmax Jacobian
+    ``dp_j/dz_k = p_j (delta_jk - p_k)``:
+
+    .. math::
+
+        dV = P^T dO, \quad dP = dO\, V^T, \quad D_i = \sum_j P_{ij} dP_{ij}
+        = (dO \odot O)_i \mathbf{1}, \quad dZ = P \odot (dP - D),
+
+    ``dBias = dZ``, and with ``dS = dZ`` (times ``1 - tanh²`` under a soft-cap),
+    ``dQ = scale · dS K`` and ``dK = scale · dSᵀ Q``. Everything runs in at least float32
+    and is returned in the inputs' dtypes. Rows with no admissible key, and keys no query
+    may attend, get gradients of exactly zero.
+
+    The blocked implementation computes ``P`` tile by tile: from the tile's own softmax when
+    a tile holds whole rows, otherwise as ``exp(Z - lse)`` from the blocked forward pass's
+    log-sum-exp (FlashAttention-2). :mod:`sdpa_array.reference` has an independent float64
+    version that forms the Jacobian explicitly.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa_array import scaled_dot_product_attention_vjp
+    >>> q, k = np.ones((1, 2)), np.ones((3, 2))
+    >>> v = np.arange(3.0)[:, None]
+    >>> dq, dk, dv = scaled_dot_product_attention_vjp(q, k, v, np.ones((1, 1)))
+    >>> dv.round(4)
+    array([[0.3333],
+           [0.3333],
+           [0.3333]])
+    """
+    p = validate(
+        query,
+        key,
+        value,
+        mask=mask,
+        bias=bias,
+        is_causal=is_causal,
+        window=window,
+        alignment=alignment,
+        scale=scale,
+        softcap=softcap,
+        enable_gqa=enable_gqa,
+    )
+    _check_grad_output(p, query, grad_output)
+    choice = choose(p, implementation, (block_q, block_k))
+    x = Inputs(query, key, value, mask, bias)
+    if p.L == 0 or p.S == 0:  # nothing reaches the output: every gradient is zero
+        return zero_gradients(p, x)
+    return finish_gradients(p, x, choice.backward(p, x, grad_output))

@@ -1,123 +1,125 @@
-"""Autograd for the blocked implementation: a ``torch.autograd.Function`` and a ``jax.custom_vjp``.
+"""Autograd through our backward kernels: a ``torch.autograd.Function`` and a ``jax.custom_vjp``.
 
 The materialized and native implementations are compositions of the library's own
 differentiable operations (or its fused kernel), so torch and JAX differentiate them by
-themselves. They could differentiate the blocked loop too, but they would keep every tile's
-probabilities for the backward pass, and the tiles add up to the whole score matrix. So when
-the blocked implementation runs on torch tensors that require grad, or on JAX tracers,
-:func:`differentiable` runs it as one opaque operation that keeps only its inputs, its output
-(in the compute dtype) and its log-sum-exp, and whose backward pass is the blocked VJP of
-:mod:`sdpa_array._vjp_blocked`: memory stays ``O(block)`` in training.
+themselves. An implementation whose :class:`~sdpa_array._dispatch.Row` says
+``own_autograd`` (the blocked one) could be differentiated that way too, but the library
+would keep every tile's probabilities for the backward pass, and the tiles add up to the
+whole score matrix. So when it runs on torch tensors that require grad, or on JAX tracers,
+:func:`forward` runs it as one opaque operation that keeps only its inputs, its output (in
+the compute dtype) and its log-sum-exp, and whose backward pass is the implementation's own
+backward kernel: memory stays ``O(block)`` in training. Calls delegated to torch's CPU
+kernel that returns the log-sum-exp go through the same operation, with the VJP's automatic
+choice of backward kernel, because torch cannot differentiate that kernel's backward again.
 
-Both wrappers also differentiate the log-sum-exp output (``d lse_i / d z_ij = P_ij``). They
-are first-order only: torch raises on a second backward pass through them (the saved
-log-sum-exp carries no graph), and ``jax.custom_vjp`` functions are not
-forward-differentiable.
+* torch: the ``forward`` / ``setup_context`` / ``backward`` form with
+  ``generate_vmap_rule``, so ``torch.func.grad``, ``torch.func.vmap`` and their
+  compositions work. The backward kernel is written with differentiable torch operations
+  and changes no tensor that takes part in autograd in place, so when a graph is being
+  created (``create_graph=True``, ``torch.func.grad`` of a gradient) the gradients are
+  themselves differentiable: double backward is exact.
+* JAX: a ``jax.custom_vjp``, which works under ``jit``, ``vmap`` and ``grad`` (reverse
+  mode, to any order). A ``custom_vjp`` has no forward mode: under ``jax.jvp`` or
+  ``jax.jacfwd``, a call that ``implementation="auto"`` sent to the blocked path runs the
+  materialized one instead (JAX differentiates it in both modes); an explicit
+  ``implementation="blocked"`` raises a ``TypeError`` that says so.
 
-This is the only module that knows torch's and JAX's autodiff APIs.
+Both wrappers also differentiate the log-sum-exp output (``d lse_i / d z_ij = P_ij``). This
+is the only module that knows torch's and JAX's autodiff APIs.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
-from ._blocked import blocked_attention
 from ._compat import namespace_name
-from ._problem import Problem
-from ._result import AttentionResult
-from ._vjp import attention_vjp
-from ._vjp_blocked import blocked_vjp
+from ._dispatch import Choice, choose
+from ._kernels.native import Request, plan_native
+from ._problem import Inputs, Problem
+from ._result import AttentionResult, finish_gradients
+from ._typing import Array
 
-__all__ = ["differentiable"]
-
-Implementation = Callable[..., AttentionResult]
+__all__ = ["forward"]
 
 
-def differentiable(run: Implementation) -> Implementation:
-    """``run`` itself, or, for the blocked implementation, a version for autograd.
+def forward(
+    choice: Choice, p: Problem, x: Inputs, *, return_weights: bool, return_lse: bool
+) -> AttentionResult:
+    """Run ``choice``'s forward kernel, through an autograd wrapper where one is needed.
 
-    The returned callable has an implementation's signature. It sends the call through
-    :func:`_torch_blocked` or :func:`_jax_blocked` when the arrays need gradients (torch
+    The wrapper runs when the row says ``own_autograd``, the arrays need gradients (torch
     tensors with ``requires_grad`` while grad mode is on, JAX tracers) and the weights are
     not asked for (they are the score matrix anyway, so the library's own autodiff of the
-    materialized fallback is as good); otherwise it calls ``run`` unchanged.
+    materialized fallback is as good).
     """
-    if getattr(run, "func", run) is not blocked_attention:
-        return run
-    keywords = getattr(run, "keywords", {})
-    blocks = (keywords.get("block_q"), keywords.get("block_k"))
-
-    @functools.wraps(run)
-    def run_differentiable(
-        p: Problem,
-        query: Any,
-        key: Any,
-        value: Any,
-        mask: Any,
-        bias: Any,
-        *,
-        return_weights: bool,
-        return_lse: bool,
-    ) -> AttentionResult:
-        if not return_weights:
-            library = namespace_name(p.xp)
-            arrays = (query, key, value, bias)
-            if library == "torch" and _torch_needs_grad(arrays):
-                return _torch_blocked(p, query, key, value, mask, bias, return_lse, blocks)
-            if library == "jax" and _jax_traced(arrays):
-                return _jax_blocked(p, query, key, value, mask, bias, return_lse, blocks)
-        return run(
-            p, query, key, value, mask, bias, return_weights=return_weights, return_lse=return_lse
-        )
-
-    return run_differentiable
+    if not return_weights:
+        library = namespace_name(p.xp)
+        if library == "torch" and _torch_needs_grad(x):
+            backward = _torch_backward_choice(choice, p, x, return_lse)
+            if backward is not None:
+                return _torch_forward(choice, backward, p, x, return_lse)
+        if library == "jax" and choice.row.own_autograd and _jax_traced(x):
+            return _jax_forward(choice, p, x, return_lse)
+    return choice.forward(p, x, return_weights=return_weights, return_lse=return_lse)
 
 
-def _torch_needs_grad(arrays: tuple[Any, ...]) -> bool:
+def _torch_backward_choice(
+    choice: Choice, p: Problem, x: Inputs, return_lse: bool
+) -> Choice | None:
+    """Whose backward kernel differentiates ``choice`` under torch (``None``: torch's own).
+
+    The implementation's own, when its row says ``own_autograd``; the VJP's automatic
+    choice when ``choice`` delegates to a torch kernel that torch cannot differentiate
+    twice (the CPU kernel that returns the log-sum-exp), so that double backward works.
+    """
+    if choice.row.own_autograd:
+        return choice
+    if (
+        choice.name == "native"
+        and return_lse
+        and not plan_native(p, Request(x, False, True)).twice_differentiable
+    ):
+        return choose(p, "auto")
+    return None
+
+
+def _differentiable(x: Inputs) -> tuple[Array, ...]:
+    return (x.query, x.key, x.value, x.bias)
+
+
+def _torch_needs_grad(x: Inputs) -> bool:
     import torch
 
-    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in arrays)
+    return torch.is_grad_enabled() and any(
+        a is not None and a.requires_grad for a in _differentiable(x)
+    )
 
 
-def _jax_traced(arrays: tuple[Any, ...]) -> bool:
+def _jax_traced(x: Inputs) -> bool:
     import jax
 
-    return any(isinstance(x, jax.core.Tracer) for x in arrays)
+    return any(isinstance(a, jax.core.Tracer) for a in _differentiable(x))
 
 
-def _forward(
-    p: Problem, query: Any, key: Any, value: Any, mask: Any, bias: Any, blocks: tuple[Any, Any]
-) -> tuple[Any, Any]:
-    r = blocked_attention(
-        p,
-        query,
-        key,
-        value,
-        mask,
-        bias,
-        return_weights=False,
-        return_lse=True,
-        block_q=blocks[0],
-        block_k=blocks[1],
-    )
+def _out_and_lse(choice: Choice, p: Problem, x: Inputs) -> tuple[Array, Array]:
+    r = choice.forward(p, x, return_weights=False, return_lse=True)
     return r.out, r.lse
 
 
-def _backward(
+def _gradients(
+    choice: Choice,
     p: Problem,
-    blocks: tuple[Any, Any],
-    saved: tuple[Any, ...],
-    grad_out: Any,
-    grad_lse: Any,
-) -> tuple[Any, ...]:
-    query, key, value, mask, bias, out, lse = saved
-    run = functools.partial(blocked_vjp, block_q=blocks[0], block_k=blocks[1])
-    grads = attention_vjp(
-        p, run, query, key, value, mask, bias, grad_out, out=out, lse=lse, grad_lse=grad_lse
-    )
-    return (*grads[:3], grads[3] if bias is not None else None)
+    x: Inputs,
+    out: Array,
+    lse: Array,
+    grad_out: Array,
+    grad_lse: Array,
+) -> tuple[Array, ...]:
+    """``(dq, dk, dv, dbias or None)`` from the backward kernel, given the saved forward."""
+    raw = choice.backward(p, x, grad_out, out=out, lse=lse, grad_lse=grad_lse)
+    grads = finish_gradients(p, x, raw)
+    return (*grads[:3], grads[3] if x.bias is not None else None)
 
 
 @functools.cache
@@ -125,79 +127,85 @@ def _torch_function() -> Any:
     """The ``torch.autograd.Function`` (defined on first use: torch is optional)."""
     import torch
 
-    class BlockedAttention(torch.autograd.Function):
-        """Blocked attention whose backward pass is the blocked VJP."""
+    class OwnBackward(torch.autograd.Function):
+        """Attention whose backward pass is the implementation's backward kernel."""
+
+        generate_vmap_rule = True
 
         @staticmethod
         def forward(
-            ctx: Any,
             query: Any,
             key: Any,
             value: Any,
             bias: Any,
             mask: Any,
             p: Problem,
-            blocks: tuple[Any, Any],
+            choice: Choice,
+            backward: Choice,
         ) -> tuple[Any, Any]:
-            out, lse = _forward(p, query, key, value, mask, bias, blocks)
-            ctx.save_for_backward(query, key, value, mask, bias, out, lse)
-            ctx.p, ctx.blocks = p, blocks
-            ctx.set_materialize_grads(False)
-            return out, lse
+            return _out_and_lse(choice, p, Inputs(query, key, value, mask, bias))
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, Any]) -> None:
+            query, key, value, bias, mask, p, _, backward = inputs
+            out, lse = output
+            ctx.save_for_backward(query, key, value, bias, mask, out, lse)
+            ctx.p, ctx.backward_choice = p, backward
+            ctx.set_materialize_grads(False)
+
+        @staticmethod
         def backward(ctx: Any, grad_out: Any, grad_lse: Any) -> tuple[Any, ...]:
-            saved = ctx.saved_tensors
+            query, key, value, bias, mask, out, lse = ctx.saved_tensors
             if grad_out is None:
-                grad_out = torch.zeros_like(saved[5])
-            dq, dk, dv, dbias = _backward(ctx.p, ctx.blocks, saved, grad_out, grad_lse)
-            return dq, dk, dv, dbias, None, None, None
+                grad_out = torch.zeros_like(out)
+            x = Inputs(query, key, value, mask, bias)
+            grads = _gradients(ctx.backward_choice, ctx.p, x, out, lse, grad_out, grad_lse)
+            return (*grads, None, None, None, None)
 
-    return BlockedAttention
+    return OwnBackward
 
 
-def _torch_blocked(
-    p: Problem,
-    query: Any,
-    key: Any,
-    value: Any,
-    mask: Any,
-    bias: Any,
-    return_lse: bool,
-    blocks: tuple[Any, Any],
+def _torch_forward(
+    choice: Choice, backward: Choice, p: Problem, x: Inputs, return_lse: bool
 ) -> AttentionResult:
-    out, lse = _torch_function().apply(query, key, value, bias, mask, p, blocks)
+    function = _torch_function()
+    out, lse = function.apply(x.query, x.key, x.value, x.bias, x.mask, p, choice, backward)
     return AttentionResult(out=out, lse=lse if return_lse else None)
 
 
-def _jax_blocked(
-    p: Problem,
-    query: Any,
-    key: Any,
-    value: Any,
-    mask: Any,
-    bias: Any,
-    return_lse: bool,
-    blocks: tuple[Any, Any],
-) -> AttentionResult:
+def _jax_forward(choice: Choice, p: Problem, x: Inputs, return_lse: bool) -> AttentionResult:
     import jax
 
     @jax.custom_vjp
     def attention(query: Any, key: Any, value: Any, mask: Any, bias: Any) -> tuple[Any, Any]:
-        return _forward(p, query, key, value, mask, bias, blocks)
+        return _out_and_lse(choice, p, Inputs(query, key, value, mask, bias))
 
-    def forward(
+    def fwd(
         query: Any, key: Any, value: Any, mask: Any, bias: Any
     ) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
-        out, lse = _forward(p, query, key, value, mask, bias, blocks)
+        out, lse = _out_and_lse(choice, p, Inputs(query, key, value, mask, bias))
         return (out, lse), (query, key, value, mask, bias, out, lse)
 
-    def backward(saved: tuple[Any, ...], cotangents: tuple[Any, Any]) -> tuple[Any, ...]:
+    def bwd(saved: tuple[Any, ...], cotangents: tuple[Any, Any]) -> tuple[Any, ...]:
+        query, key, value, mask, bias, out, lse = saved
         grad_out, grad_lse = cotangents
-        dq, dk, dv, dbias = _backward(p, blocks, saved, grad_out, grad_lse)
+        x = Inputs(query, key, value, mask, bias)
+        dq, dk, dv, dbias = _gradients(choice, p, x, out, lse, grad_out, grad_lse)
         return dq, dk, dv, None, dbias
 
-    attention.defvjp(forward, backward)
-    out, lse = attention(query, key, value, mask, bias)
+    attention.defvjp(fwd, bwd)
+    try:
+        out, lse = attention(x.query, x.key, x.value, x.mask, x.bias)
+    except TypeError as exc:
+        if "forward-mode" not in str(exc):
+            raise
+        if not choice.automatic:
+            raise TypeError(
+                f"implementation={choice.name!r} is differentiated in reverse mode only (its "
+                "jax.custom_vjp saves O(block) memory); for jax.jvp, jax.jacfwd or "
+                "jax.hessian use implementation='materialized' (or 'auto')"
+            ) from exc
+        return Choice("materialized", automatic=True).forward(
+            p, x, return_weights=False, return_lse=return_lse
+        )
     return AttentionResult(out=out, lse=lse if return_lse else None)

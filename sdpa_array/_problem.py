@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from ._compat import array_namespace, device
-from ._positions import Positions
+from ._kernels.restrictions import Band
+from ._typing import Array
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -48,8 +49,10 @@ class Problem:
         Multiplier of ``Q Kᵀ``.
     softcap : float or None
         Tanh soft-capping of the scaled scores.
-    positions : Positions
+    band : Band
         Causal/window restrictions with the diagonal offset from ``alignment``.
+    enable_gqa : bool
+        Whether grouped-query attention was asked for.
     """
 
     xp: ModuleType
@@ -66,7 +69,7 @@ class Problem:
     groups: int
     scale: float
     softcap: float | None
-    positions: Positions
+    band: Band
     enable_gqa: bool
 
     @property
@@ -81,6 +84,29 @@ class Problem:
     def grouped(self) -> bool:
         """Whether query heads share key/value heads (GQA with more than one group)."""
         return self.enable_gqa and self.groups > 1
+
+    @property
+    def kernel_batch(self) -> tuple[int, ...]:
+        """Batch shape of the kernel layout: ``batch_shape`` with GQA heads as ``(Hkv, G)``."""
+        if self.grouped:
+            return (*self.batch_shape[:-1], self.heads_kv, self.groups)
+        return self.batch_shape
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return int(self.xp.finfo(self.compute_dtype).bits // 8)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The caller's arrays, unchanged: what every implementation receives beside a Problem."""
+
+    query: Array
+    key: Array
+    value: Array
+    mask: Array = None
+    bias: Array = None
 
 
 def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -97,6 +123,12 @@ def _positive_finite(name: str, value: Any) -> float:
     if not (math.isfinite(result) and result > 0):
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return result
+
+
+def check_flag(name: str, flag: Any) -> None:
+    """Raise ``TypeError`` unless ``flag`` is a bool (Python's or NumPy's)."""
+    if not isinstance(flag, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
 
 
 def _window(window: Any) -> tuple[int | None, int | None] | None:
@@ -215,11 +247,8 @@ def validate(
                 f"got shape {tuple(arr.shape)}"
             )
     _check_dtypes(xp, query, key, value, mask, bias)
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    for flag_name, flag in (("enable_gqa", enable_gqa),):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
+    check_flag("is_causal", is_causal)
+    check_flag("enable_gqa", enable_gqa)
     if alignment not in ALIGNMENTS:
         raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
     sides = _window(window)
@@ -273,8 +302,6 @@ def validate(
         groups=groups,
         scale=scale_value,
         softcap=softcap_value,
-        positions=Positions(
-            L=L, S=S, is_causal=bool(is_causal), left=left, right=right, offset=offset
-        ),
+        band=Band(L=L, S=S, is_causal=bool(is_causal), left=left, right=right, offset=offset),
         enable_gqa=bool(enable_gqa),
     )

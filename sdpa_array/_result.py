@@ -1,17 +1,32 @@
-"""The value every implementation returns, and how it becomes the public return value."""
+"""What the kernels return, and how it becomes the public return value.
+
+:class:`AttentionResult` (forward) and :class:`RawGrads` (backward) are in the compute dtype
+and the kernels' layout; :func:`finalize` and :func:`finish_gradients` cast, broadcast or sum
+them to the shapes and dtypes the caller's arrays promise.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
-from ._problem import Problem
+from ._kernels.layout import broadcast_if_needed, sum_to_shape, ungroup
+from ._problem import Inputs, Problem
+from ._typing import Array
+
+__all__ = [
+    "AttentionResult",
+    "RawGrads",
+    "empty_result",
+    "finalize",
+    "finish_gradients",
+    "zero_gradients",
+]
 
 
 @dataclass(frozen=True)
 class AttentionResult:
-    """Output of an implementation, before dtype casting and broadcasting.
+    """Output of a forward kernel, before dtype casting and broadcasting.
 
     Attributes
     ----------
@@ -23,16 +38,32 @@ class AttentionResult:
         ``(..., Hq, L)`` log-sum-exp of the final scores, when requested.
     """
 
-    out: Any
-    weights: Any = None
-    lse: Any = None
+    out: Array
+    weights: Array = None
+    lse: Array = None
+
+
+@dataclass(frozen=True)
+class RawGrads:
+    """Gradients of a backward kernel, before they are summed to the inputs' shapes.
+
+    ``dq`` is in the grouped query layout; ``dk`` and ``dv`` are ``(..., Hkv, S, E|Ev)``
+    with the query heads of each group already summed; ``dbias`` is the score gradient,
+    reduced at least to something that broadcasts to the grouped scores (``None`` without
+    a bias). Leading axes may still be those of the broadcast batch.
+    """
+
+    dq: Array
+    dk: Array
+    dv: Array
+    dbias: Array = None
 
 
 def empty_result(p: Problem) -> AttentionResult:
     """The defined answer when there are no queries or no keys: zeros and ``-inf``.
 
     With ``S == 0`` every query has no admissible key; with ``L == 0`` the arrays are empty.
-    Some libraries (Dask) cannot reduce over empty axes, so neither case reaches them.
+    Some libraries (Dask) cannot reduce over empty axes, so neither case reaches a kernel.
     """
     xp = p.xp
     return AttentionResult(
@@ -42,27 +73,46 @@ def empty_result(p: Problem) -> AttentionResult:
     )
 
 
-def finalize(p: Problem, result: AttentionResult, *, return_weights: bool, return_lse: bool) -> Any:
+def finalize(
+    p: Problem, result: AttentionResult, *, return_weights: bool, return_lse: bool
+) -> Array | tuple[Array, ...]:
     """Cast to the input dtype, broadcast to the full batch shape and pack the return value.
 
     ``out`` and ``weights`` take the input dtype; ``lse`` stays in the compute dtype (float32
     for float16/bfloat16 inputs, as FlashAttention returns it).
     """
     xp = p.xp
-    out = xp.astype(result.out, p.dtype, copy=False)
-    if tuple(out.shape) != p.out_shape:
-        out = xp.broadcast_to(out, p.out_shape)
+    out = broadcast_if_needed(xp, xp.astype(result.out, p.dtype, copy=False), p.out_shape)
     if not (return_weights or return_lse):
         return out
-    extras: list[Any] = [out]
+    extras: list[Array] = [out]
     if return_weights:
         weights = xp.astype(result.weights, p.dtype, copy=False)
-        if tuple(weights.shape) != p.score_shape:
-            weights = xp.broadcast_to(weights, p.score_shape)
-        extras.append(weights)
+        extras.append(broadcast_if_needed(xp, weights, p.score_shape))
     if return_lse:
         lse = xp.astype(result.lse, p.compute_dtype, copy=False)
-        if tuple(lse.shape) != p.score_shape[:-1]:
-            lse = xp.broadcast_to(lse, p.score_shape[:-1])
-        extras.append(lse)
+        extras.append(broadcast_if_needed(xp, lse, p.score_shape[:-1]))
     return tuple(extras)
+
+
+def zero_gradients(p: Problem, x: Inputs) -> tuple[Array, ...]:
+    """Gradients when nothing reaches the output (``L == 0`` or ``S == 0``): zeros."""
+    inputs = [x.query, x.key, x.value] + ([x.bias] if x.bias is not None else [])
+    return tuple(p.xp.zeros(a.shape, dtype=a.dtype, device=p.device) for a in inputs)
+
+
+def finish_gradients(p: Problem, x: Inputs, raw: RawGrads) -> tuple[Array, ...]:
+    """Sum each gradient to its input's shape and cast it to that input's dtype.
+
+    Returns ``(grad_query, grad_key, grad_value)`` and ``grad_bias`` when there is a bias.
+    """
+    xp = p.xp
+    inputs = [x.query, x.key, x.value]
+    grads = [ungroup(p, raw.dq), raw.dk, raw.dv]
+    if x.bias is not None:
+        inputs.append(x.bias)
+        grads.append(ungroup(p, raw.dbias))
+    return tuple(
+        xp.astype(sum_to_shape(xp, g, tuple(a.shape)), a.dtype, copy=False)
+        for g, a in zip(grads, inputs, strict=True)
+    )

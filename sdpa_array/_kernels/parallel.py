@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any, TypeVar
 
-from ._compat import namespace_name
+from .._compat import namespace_name
 
 __all__ = [
     "DEFAULT_MAX_THREADS",

@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from . import reference
-from ._api import scaled_dot_product_attention
-from .accuracy import lse_bound, output_bound, score_error
-from .backends import BACKENDS, Backend
+from .. import reference
+from .._api import scaled_dot_product_attention
+from ..testing.backends import BACKENDS, Backend
+from ..testing.bounds import lse_bound, output_bound, score_error
+from .backend_choice import parse_backends, report_unavailable
 
 WORKED_Q = [[1.0, 2.0], [3.0, 4.0]]
 WORKED_K = [[5.0, 6.0], [7.0, 8.0], [9.0, 10.0]]
@@ -111,16 +112,30 @@ def run_case(backend: Backend, dtype: str, case: dict[str, Any], repeats: int = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print a table of every installed backend and dtype against the oracle."""
+    """Print a table of every installed backend and dtype against the oracle.
+
+    Returns the exit status: 0 if every check is within its error bound, 1 if one is not,
+    2 if a backend named with ``--backend`` is not available here (unknown ids exit with 2
+    through argparse).
+    """
     parser = argparse.ArgumentParser(
         prog="python -m sdpa_array demo",
         description="Run the worked example and a random masked batch on every installed "
         "backend and dtype, and compare with the float64 oracle.",
     )
-    parser.add_argument("--backend", help="comma-separated backend ids (default: all installed)")
+    parser.add_argument(
+        "--backend",
+        help="comma-separated backend ids, each of which must be available here "
+        f"({', '.join(b.id for b in BACKENDS)}); default: every installed one",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    wanted = set(args.backend.split(",")) if args.backend else None
+    wanted = None
+    if args.backend:
+        named = parse_backends(parser, args.backend)
+        if not report_unavailable(named):
+            return 2
+        wanted = {b.id for b in named}
     rng = np.random.default_rng(args.seed)
     cases = _cases(rng)
 
@@ -134,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         if not backend.is_available():
             missing.append(backend.id)
             continue
+        backend.configure()
         for dtype in backend.dtypes:
             for name, case in cases:
                 r = run_case(backend, dtype, case)

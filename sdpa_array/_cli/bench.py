@@ -1,6 +1,6 @@
 """``python -m sdpa_array bench``: our attention against torch's native kernel, same data.
 
-For each selected backend (from :mod:`sdpa_array.backends`) it times, interleaved in one
+For each selected backend (from :mod:`sdpa_array.testing.backends`) it times, interleaved in one
 process on the same inputs, ``scaled_dot_product_attention(..., implementation="auto")``,
 torch's ``scaled_dot_product_attention`` (on the very same memory: NumPy arrays are viewed
 as torch tensors without a copy), the naive three-step computation, and the two matrix
@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from ._positions import Positions
-from .backends import BACKENDS, Backend, get_backend
+from ..testing.backends import BACKENDS, Backend, get_backend
+from .backend_choice import parse_backends, report_unavailable, unavailable_reason
 
 __all__ = [
     "attention_flops",
@@ -57,12 +57,8 @@ def attention_flops(B: int, H: int, L: int, S: int, E: int, Ev: int, causal: boo
     unrestricted call with ``Ev == E``; a causal call counts only the pairs on or below the
     (top-left) diagonal, the work a kernel that skips masked blocks needs.
     """
-    if causal:
-        pos = Positions(L=L, S=S, is_causal=True, left=None, right=None, offset=0)
-        ranges = (pos.key_range(i, i + 1) for i in range(L))
-        pairs = sum(hi - lo for lo, hi in ranges)
-    else:
-        pairs = L * S
+    # causal: key j <= query i
+    pairs = sum(min(i + 1, S) for i in range(L)) if causal else L * S
     return 2.0 * (E + Ev) * B * H * pairs
 
 
@@ -81,7 +77,7 @@ def make_inputs(
 
 def naive_attention(q: Any, k: Any, v: Any, *, is_causal: bool = False) -> Any:
     """The straightforward three steps (scores, softmax, product) in the arrays' library."""
-    from ._compat import array_namespace
+    from .._compat import array_namespace
 
     xp = array_namespace({"q": q})
     s = xp.matmul(q, xp.matrix_transpose(k)) * (1.0 / math.sqrt(q.shape[-1]))
@@ -96,7 +92,7 @@ def naive_attention(q: Any, k: Any, v: Any, *, is_causal: bool = False) -> Any:
 
 def two_products(q: Any, k: Any, v: Any) -> Any:
     """``(q kᵀ) v``: the two matrix products of attention, nothing else."""
-    from ._compat import array_namespace
+    from .._compat import array_namespace
 
     xp = array_namespace({"q": q})
     return xp.matmul(xp.matmul(q, xp.matrix_transpose(k)), v)
@@ -113,7 +109,7 @@ def torch_sdpa_peer(backend: Backend) -> Callable[..., Any]:
     """
     if backend.library not in ("numpy", "torch") or not get_backend("torch").is_available():
         raise NotImplementedError(f"torch's kernel cannot run on {backend.id} arrays in place")
-    get_backend("torch").namespace()  # pins matmul precision (no TF32)
+    get_backend("torch").configure()  # pins matmul precision (no TF32)
     import torch
 
     def as_torch(x: Any) -> Any:
@@ -285,7 +281,11 @@ def _parse_shape(text: str) -> tuple[int, int, int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the comparison and print a Markdown table; returns the exit status."""
+    """Run the comparison and print a Markdown table.
+
+    Returns the exit status: 0, or 2 if a backend named with ``--backends`` is not available
+    here (unknown ids exit with 2 through argparse).
+    """
     parser = argparse.ArgumentParser(
         prog="python -m sdpa_array bench",
         description="Time scaled_dot_product_attention (implementation='auto') against "
@@ -293,9 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--backends",
-        default="numpy,torch",
+        default=None,
         help="comma-separated backend ids, or 'all' for every installed one "
-        f"({', '.join(b.id for b in BACKENDS)}); default: numpy,torch",
+        f"({', '.join(b.id for b in BACKENDS)}); default: numpy, and torch if installed",
     )
     parser.add_argument("--shape", type=_parse_shape, default=None, help="B,H,L,E (L = S)")
     parser.add_argument("--dtype", default="float32")
@@ -309,23 +309,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shape = args.shape or ((1, 8, 1024, 64) if args.quick else (1, 8, 4096, 64))
     repeat = args.repeat or (3 if args.quick else 5)
-    if args.backends == "all":
+    if args.backends is None:
+        chosen = [get_backend("numpy")]
+        torch_backend = get_backend("torch")
+        if torch_backend.is_available():
+            chosen.append(torch_backend)
+        else:
+            print(f"skipping torch: {unavailable_reason(torch_backend)}", file=sys.stderr)
+    elif args.backends == "all":
         chosen = [b for b in BACKENDS if b.is_available()]
     else:
-        try:
-            chosen = [get_backend(name.strip()) for name in args.backends.split(",")]
-        except ValueError as exc:
-            parser.error(str(exc))
-        missing = [b.id for b in chosen if not b.is_available()]
-        for name in missing:
-            print(f"skipping {name}: not installed or no device", file=sys.stderr)
-        chosen = [b for b in chosen if b.is_available()]
+        chosen = parse_backends(parser, args.backends)
+        if not report_unavailable(chosen):
+            return 2
 
-    from . import _parallel
+    from .._kernels import parallel
 
     print(
         f"# sdpa_array bench: {args.dtype}, median of {repeat} interleaved rounds, "
-        f"{os.cpu_count()} CPUs, {_parallel.get_num_threads()} NumPy block threads"
+        f"{os.cpu_count()} CPUs, {parallel.get_num_threads()} NumPy block threads"
     )
     rows: list[_Row] = []
     notes = []
@@ -333,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dtype not in backend.dtypes:
             print(f"skipping {backend.id}: no {args.dtype}", file=sys.stderr)
             continue
+        backend.configure()  # JAX float64, highest matmul precision, no TF32
         full, causal = (_measure(backend, shape, c, args.dtype, repeat) for c in (False, True))
         rows += [full, causal]
         notes.append(

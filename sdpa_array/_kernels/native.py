@@ -15,7 +15,7 @@ What every delegation does the same way (so the kernels' own rules never leak ou
 * the kernels' ``is_causal`` is top-left aligned, so it is used only for ``is_causal`` with
   the diagonal at key ``i`` (``"top_left"``, or ``L == S``) and no window; every other
   positional restriction (bottom-right with ``L != S``, windows) becomes an explicit
-  boolean mask built with :meth:`Positions.tile_mask` (``builds_mask``);
+  boolean mask built from the call's :class:`~.restrictions.Band` (``builds_mask``);
 * rows with no admissible key are set to zeros and a log-sum-exp of ``-inf`` afterwards,
   whatever the kernel returned there (torch before 2.5 gives NaN, JAX the mean of the
   values or NaN);
@@ -33,16 +33,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._compat import namespace_name
-from ._problem import Problem
-from ._result import AttentionResult
-from ._scores import exp_shift, prepare_operands, prepare_score_terms, tile_scores, ungroup
+from .._compat import namespace_name
+from .._problem import Inputs, Problem
+from .._result import AttentionResult
+from .._typing import Array
+from .layout import leading_axes, ungroup
+from .operands import prepare, tile_scores
+from .softmax import exp_shift
 
 __all__ = [
     "NATIVE_KERNELS",
     "CannotDelegateError",
     "Delegation",
     "NativeKernel",
+    "Request",
     "native_attention",
     "plan_native",
 ]
@@ -59,13 +63,17 @@ class CannotDelegateError(ValueError):
 class Request:
     """The caller's arrays and output flags, beside the validated :class:`Problem`."""
 
-    query: Any
-    key: Any
-    value: Any
-    mask: Any
-    bias: Any
+    inputs: Inputs
     return_weights: bool
     return_lse: bool
+
+    @property
+    def mask(self) -> Array:
+        return self.inputs.mask
+
+    @property
+    def bias(self) -> Array:
+        return self.inputs.bias
 
 
 @dataclass(frozen=True)
@@ -80,12 +88,19 @@ class Delegation:
         Whether the kernel avoids forming the ``(L, S)`` score matrix.
     builds_mask : bool
         Whether an ``(L, S)`` mask the caller did not pass is built to express the call.
+    run : callable
+        Computes the call.
+    twice_differentiable : bool
+        Whether the library can differentiate the kernel's own backward pass (double
+        backward); where it cannot, :mod:`sdpa_array._autograd` differentiates the call
+        through our backward kernels instead.
     """
 
     kernel: str
     memory_efficient: bool
     builds_mask: bool
     run: Callable[[], AttentionResult]
+    twice_differentiable: bool = True
 
 
 @dataclass(frozen=True)
@@ -140,14 +155,14 @@ def _kernel_causal(p: Problem, has_terms: bool) -> bool:
     the rows left with no admissible key must be known (:func:`_fix_empty_rows`), which
     needs the positional restriction as a mask anyway.
     """
-    pos = p.positions
+    pos = p.band
     top_left_causal = pos.is_causal and pos.left is None and pos.right is None and pos.offset == 0
     return top_left_causal and not has_terms
 
 
 def _builds_mask(p: Problem, has_terms: bool) -> bool:
     """Whether :func:`_score_terms` will build an ``(L, S)`` positional mask."""
-    return p.positions.restricts and not _kernel_causal(p, has_terms)
+    return p.band.restricts and not _kernel_causal(p, has_terms)
 
 
 def _score_terms(p: Problem, mask: Any, bias: Any, *, merge: bool) -> _Terms:
@@ -162,7 +177,7 @@ def _score_terms(p: Problem, mask: Any, bias: Any, *, merge: bool) -> _Terms:
     is_causal = _kernel_causal(p, has_terms)
     positional = None
     if _builds_mask(p, has_terms):
-        positional = p.positions.tile_mask(xp, p.device, 0, p.L, 0, p.S)
+        positional = p.band.tile_mask(xp, p.device, slice(0, p.L), slice(0, p.S))
     allowed = mask
     if positional is not None:
         allowed = positional if allowed is None else xp.logical_and(allowed, positional)
@@ -197,9 +212,8 @@ def _fix_empty_rows(p: Problem, terms: _Terms, out: Any, lse: Any) -> tuple[Any,
 def _weights_from_lse(p: Problem, req: Request, lse: Any) -> Any:
     """``exp(scores - lse)``: the weights, formed once with the shared score builder."""
     xp = p.xp
-    q, k, _ = prepare_operands(p, req.query, req.key, req.value)
-    mask, bias = prepare_score_terms(p, req.mask, req.bias)
-    s = tile_scores(p, q, k, mask, bias, slice(0, p.L), slice(0, p.S))
+    ops = prepare(p, req.inputs)
+    s, _ = tile_scores(p, ops, ops.q, slice(0, p.L), slice(0, p.S))
     lse = xp.astype(lse, p.compute_dtype, copy=False)
     if p.grouped:
         lse = xp.reshape(lse, (*lse.shape[:-2], p.heads_kv, p.groups, p.L))
@@ -213,11 +227,11 @@ def _finish(p: Problem, req: Request, terms: _Terms, out: Any, lse: Any) -> Atte
 
 
 def _cast(p: Problem, req: Request) -> tuple[Any, Any, Any]:
-    xp, dtype = p.xp, p.compute_dtype
+    xp, dtype, x = p.xp, p.compute_dtype, req.inputs
     return (
-        xp.astype(req.query, dtype, copy=False),
-        xp.astype(req.key, dtype, copy=False),
-        xp.astype(req.value, dtype, copy=False),
+        xp.astype(x.query, dtype, copy=False),
+        xp.astype(x.key, dtype, copy=False),
+        xp.astype(x.value, dtype, copy=False),
     )
 
 
@@ -243,8 +257,7 @@ def _four_d(p: Problem, q: Any, k: Any, v: Any) -> _Layout:
     heads = []
     out = []
     for name, x in (("query", q), ("key", k), ("value", v)):
-        if x.ndim < ndim:
-            x = xp.reshape(x, (1,) * (ndim - x.ndim) + tuple(x.shape))
+        x = leading_axes(xp, x, ndim)
         if tuple(x.shape[: len(lead)]) != lead:
             raise _refuse(
                 f"4-D kernels need query, key and value with equal batch axes; {name} has "
@@ -269,9 +282,7 @@ def _four_d_term(p: Problem, x: Any, name: str) -> Any:
     xp = p.xp
     batch = p.batch_shape
     lead = batch[:-1]
-    ndim = len(batch) + 2
-    if x.ndim < ndim:
-        x = xp.reshape(x, (1,) * (ndim - x.ndim) + tuple(x.shape))
+    x = leading_axes(xp, x, len(batch) + 2)
     x_lead = tuple(x.shape[: len(lead)])
     if x_lead != lead and any(n != 1 for n in x_lead):
         raise _refuse(f"the {name}'s batch axes {x_lead} broadcast partially against {lead}")
@@ -347,7 +358,7 @@ def _plan_torch_cpu_flash(p: Problem, req: Request) -> Delegation:
     if p.Ev != p.E:
         raise _refuse(f"it needs Ev == E (got E={p.E}, Ev={p.Ev})")
     op = _torch_cpu_flash()
-    _four_d(p, req.query, req.key, req.value)  # shape checks before any work
+    _four_d(p, req.inputs.query, req.inputs.key, req.inputs.value)  # shape checks first
     for name, term in (("mask", req.mask), ("bias", req.bias)):
         _four_d_term(p, term, name)
     has_terms = req.mask is not None or req.bias is not None
@@ -367,6 +378,7 @@ def _plan_torch_cpu_flash(p: Problem, req: Request) -> Delegation:
         memory_efficient=True,
         builds_mask=_builds_mask(p, has_terms),
         run=run,
+        twice_differentiable=False,  # its backward op has no derivative
     )
 
 
@@ -395,7 +407,7 @@ def _plan_jax(p: Problem, req: Request) -> Delegation:
     import jax
 
     xp = p.xp
-    _four_d(p, req.query, req.key, req.value)  # shape checks before any work
+    _four_d(p, req.inputs.query, req.inputs.key, req.inputs.value)  # shape checks first
     for name, term in (("mask", req.mask), ("bias", req.bias)):
         _four_d_term(p, term, name)
     has_terms = req.mask is not None or req.bias is not None
@@ -465,15 +477,7 @@ def plan_native(p: Problem, req: Request) -> Delegation:
 
 
 def native_attention(
-    p: Problem,
-    query: Any,
-    key: Any,
-    value: Any,
-    mask: Any,
-    bias: Any,
-    *,
-    return_weights: bool,
-    return_lse: bool,
+    p: Problem, x: Inputs, *, return_weights: bool, return_lse: bool
 ) -> AttentionResult:
     """Run the call on the first native kernel that computes it exactly.
 
@@ -482,5 +486,5 @@ def native_attention(
     CannotDelegateError
         If no native kernel does (see :func:`plan_native`).
     """
-    req = Request(query, key, value, mask, bias, return_weights, return_lse)
+    req = Request(x, return_weights, return_lse)
     return plan_native(p, req).run()

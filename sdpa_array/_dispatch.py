@@ -1,0 +1,217 @@
+"""The one table of implementations, and the one :func:`choose` that forward, VJP and
+autograd all use.
+
+Each row of :data:`IMPLEMENTATIONS` names a forward kernel and, where there is one, its
+backward kernel. :func:`choose` turns the caller's ``implementation=`` (and block sizes)
+into a :class:`Choice`: the row's name, its kernels and the block sizes. The autograd
+wrappers (:mod:`sdpa_array._autograd`) ask a choice for its name and its backward kernel,
+so forward and backward can never disagree about which implementation ran.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from ._kernels.blocked import blocked_attention
+from ._kernels.materialized import materialized_attention
+from ._kernels.native import CannotDelegateError, Request, native_attention, plan_native
+from ._kernels.tiling import TILE_BYTES, check_block_sizes
+from ._kernels.vjp_blocked import blocked_vjp
+from ._kernels.vjp_materialized import materialized_vjp
+from ._problem import Inputs, Problem
+from ._result import AttentionResult, RawGrads
+from ._typing import Array
+
+__all__ = [
+    "AUTO_BLOCKED_BYTES",
+    "IMPLEMENTATIONS",
+    "BackwardKernel",
+    "Choice",
+    "ForwardKernel",
+    "Row",
+    "choose",
+]
+
+
+class ForwardKernel(Protocol):
+    """The signature of every forward kernel."""
+
+    def __call__(
+        self, p: Problem, x: Inputs, *, return_weights: bool, return_lse: bool
+    ) -> AttentionResult: ...
+
+
+class BackwardKernel(Protocol):
+    """The signature of every backward kernel (``out`` and ``lse``: both or neither)."""
+
+    def __call__(
+        self,
+        p: Problem,
+        x: Inputs,
+        grad_output: Array,
+        *,
+        out: Array = None,
+        lse: Array = None,
+        grad_lse: Array = None,
+    ) -> RawGrads: ...
+
+
+@dataclass(frozen=True)
+class Row:
+    """One implementation.
+
+    Attributes
+    ----------
+    forward : ForwardKernel
+        Its forward kernel.
+    backward : BackwardKernel or None
+        Its backward kernel (``None``: the VJP cannot choose it).
+    takes_blocks : bool
+        Whether it takes ``block_q`` / ``block_k``.
+    own_autograd : bool
+        Whether torch and JAX differentiate it through its backward kernel (an opaque
+        operation that saves only inputs, output and log-sum-exp) rather than through their
+        own autodiff of its forward, which would keep every tile for the backward pass.
+    """
+
+    forward: ForwardKernel
+    backward: BackwardKernel | None
+    takes_blocks: bool = False
+    own_autograd: bool = False
+
+
+#: The implementations by name.
+IMPLEMENTATIONS: dict[str, Row] = {
+    "materialized": Row(materialized_attention, materialized_vjp),
+    "blocked": Row(blocked_attention, blocked_vjp, takes_blocks=True, own_autograd=True),
+    "native": Row(native_attention, None),
+}
+
+#: ``"auto"`` runs the blocked implementation when the score matrix of the whole call (in
+#: the compute dtype) would exceed this many bytes, i.e. more than one tile: then the
+#: materialized path's passes run from main memory instead of cache, and its memory grows
+#: as ``L * S`` (docs/performance.md has the measurements).
+AUTO_BLOCKED_BYTES = TILE_BYTES
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The implementation that runs a call, chosen once.
+
+    Attributes
+    ----------
+    name : str
+        The row of :data:`IMPLEMENTATIONS`.
+    automatic : bool
+        Whether ``"auto"`` chose it (another implementation may then stand in, e.g. for
+        forward-mode autodiff, which the blocked one's ``jax.custom_vjp`` lacks).
+    block_q, block_k : int or None
+        Block sizes of the blocked implementation (``None``: chosen from the shapes).
+    """
+
+    name: str
+    automatic: bool = False
+    block_q: int | None = None
+    block_k: int | None = None
+
+    @property
+    def row(self) -> Row:
+        return IMPLEMENTATIONS[self.name]
+
+    def _blocks(self) -> dict[str, int | None]:
+        return {"block_q": self.block_q, "block_k": self.block_k} if self.row.takes_blocks else {}
+
+    def forward(
+        self, p: Problem, x: Inputs, *, return_weights: bool, return_lse: bool
+    ) -> AttentionResult:
+        """Run the forward kernel."""
+        run = self.row.forward
+        return run(p, x, return_weights=return_weights, return_lse=return_lse, **self._blocks())
+
+    def backward(
+        self,
+        p: Problem,
+        x: Inputs,
+        grad_output: Array,
+        *,
+        out: Array = None,
+        lse: Array = None,
+        grad_lse: Array = None,
+    ) -> RawGrads:
+        """Run the backward kernel (raw gradients; see :mod:`sdpa_array._result`)."""
+        run = self.row.backward
+        if run is None:
+            raise ValueError(f"implementation {self.name!r} has no backward kernel")
+        return run(p, x, grad_output, out=out, lse=lse, grad_lse=grad_lse, **self._blocks())
+
+
+def score_bytes(p: Problem) -> int:
+    """Bytes of the call's whole score matrix in the compute dtype."""
+    return math.prod(p.score_shape) * p.itemsize
+
+
+def choose(
+    p: Problem,
+    implementation: str,
+    blocks: tuple[int | None, int | None] = (None, None),
+    *,
+    request: Request | None = None,
+) -> Choice:
+    """The implementation that runs the call (see ``implementation`` in the public docs).
+
+    Parameters
+    ----------
+    p : Problem
+        The validated call.
+    implementation : str
+        The caller's ``implementation=``.
+    blocks : (int or None, int or None)
+        The caller's ``block_q`` and ``block_k``.
+    request : Request, optional
+        The forward call's arrays and output flags; ``None`` chooses for the VJP, among
+        the implementations that have a backward kernel.
+
+    Raises
+    ------
+    ValueError
+        An unknown ``implementation`` (or one without a backward kernel, for the VJP), or
+        block sizes that are not positive ints or are given to an implementation that
+        takes none.
+    """
+    names = [n for n, row in IMPLEMENTATIONS.items() if request is not None or row.backward]
+    choices = ("auto", *names)
+    if implementation not in choices:
+        raise ValueError(f"implementation must be one of {choices}, got {implementation!r}")
+    sized = any(b is not None for b in blocks)
+    if sized:
+        if implementation != "auto" and not IMPLEMENTATIONS[implementation].takes_blocks:
+            raise ValueError(
+                f"block_q/block_k apply to the blocked implementation, not {implementation!r}"
+            )
+        check_block_sizes(*blocks)
+    if implementation == "auto":
+        return Choice(_automatic(p, sized, request), True, *blocks)
+    return Choice(implementation, False, *blocks)
+
+
+def _automatic(p: Problem, sized: bool, request: Request | None) -> str:
+    """``"auto"``'s rule: weights → materialized; native where it applies and stays
+    memory-efficient; else blocked for a large score matrix, materialized for a small one."""
+    if sized:
+        return "blocked"
+    large = score_bytes(p) > AUTO_BLOCKED_BYTES
+    if request is None:  # the VJP
+        return "blocked" if large else "materialized"
+    if request.return_weights:  # the weights are the score matrix: form it once
+        return "materialized"
+    try:
+        delegation = plan_native(p, request)
+    except CannotDelegateError:
+        delegation = None
+    if delegation is not None and not (
+        large and (delegation.builds_mask or not delegation.memory_efficient)
+    ):
+        return "native"
+    return "blocked" if large else "materialized"

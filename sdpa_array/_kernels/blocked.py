@@ -1,0 +1,113 @@
+"""The blocked forward kernel: FlashAttention-style online softmax on the Array API.
+
+Keys and values are visited in tiles with an *online softmax*: each query row keeps a
+running maximum ``m``, a running sum ``l`` of ``exp(score - m)`` and a running output
+``acc``, and rescales ``l`` and ``acc`` by ``exp(m_old - m_new)`` whenever a later tile
+raises the maximum. Queries are processed in blocks too, so the largest temporary is one
+``(block_q, block_k)`` score tile per batch element instead of the ``(L, S)`` score matrix.
+
+The tiles come from :func:`~sdpa_array._kernels.tiling.plan_blocks`, which skips the tiles
+the restrictions empty and marks the full ones (no mask built). Independent (batch slice,
+query block) items run through :func:`~sdpa_array._kernels.parallel.map_blocks`, the one
+place that knows which libraries run them concurrently.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .._problem import Inputs, Problem
+from .._result import AttentionResult
+from .._typing import Array
+from . import inplace
+from .layout import broadcast_if_needed, concat, ungroup
+from .materialized import materialized_attention
+from .operands import Operands, prepare, tile_scores
+from .parallel import map_blocks
+from .softmax import exp_shift, log_sum_exp, safe_reciprocal
+from .tiling import TILE_BYTES, QueryBlock, batch_slices, choose_block_sizes, plan_blocks
+
+__all__ = ["blocked_attention"]
+
+
+def _query_block(
+    p: Problem, ops: Operands, inner: tuple[int, ...], block: QueryBlock
+) -> tuple[Array, Array]:
+    """Output ``(*inner, rows, Ev)`` and log-sum-exp ``(*inner, rows)`` of one query block.
+
+    ``ops`` is one batch slice of the operands and ``inner`` its batch shape.
+    """
+    xp = p.xp
+    rows = slice(block.start, block.stop)
+    if not block.tiles:
+        n = block.stop - block.start
+        out = xp.zeros((*inner, n, p.Ev), dtype=p.compute_dtype, device=p.device)
+        lse = xp.full((*inner, n), -math.inf, dtype=p.compute_dtype, device=p.device)
+        return out, lse
+    q = ops.q[..., rows, :]
+    running_max = total = acc = ref = None
+    for tile in block.tiles:
+        cols = slice(tile.start, tile.stop)
+        s, _ = tile_scores(p, ops, q, rows, cols)
+        tile_max = xp.max(s, axis=-1, keepdims=True)
+        new_max = tile_max if running_max is None else xp.maximum(running_max, tile_max)
+        new_ref = exp_shift(p, new_max)
+        e = xp.exp(inplace.subtract(s, new_ref))
+        del s
+        tile_total = xp.sum(e, axis=-1, keepdims=True)
+        tile_out = xp.matmul(e, ops.v[..., cols, :])
+        del e
+        if running_max is None:
+            total, acc = tile_total, tile_out
+        else:
+            alpha = xp.exp(running_max - new_ref)  # 0 while the row had no admissible key
+            total = total * alpha + tile_total
+            acc = acc * alpha + tile_out
+        running_max, ref = new_max, new_ref
+    out = acc * safe_reciprocal(p, total)
+    lse = log_sum_exp(p, ref, total)
+    # every operand may broadcast along an inner batch axis that the output has
+    out = broadcast_if_needed(xp, out, (*inner, *out.shape[-2:]))
+    lse = broadcast_if_needed(xp, lse, (*inner, lse.shape[-1]))
+    return out, lse
+
+
+def blocked_attention(
+    p: Problem,
+    x: Inputs,
+    *,
+    return_weights: bool,
+    return_lse: bool,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> AttentionResult:
+    """Attention with an online softmax over key tiles; memory ``O(block_q * block_k)``.
+
+    ``return_weights`` falls back to the materialized kernel (the weights are the score
+    matrix); the log-sum-exp is a by-product and always computed. Block sizes: see
+    :func:`~sdpa_array._kernels.tiling.choose_block_sizes`.
+    """
+    bq, bk = choose_block_sizes(p, block_q, block_k)
+    if return_weights:
+        return materialized_attention(p, x, return_weights=True, return_lse=return_lse)
+    xp = p.xp
+    ops = prepare(p, x)
+    batch = p.kernel_batch
+    split, outer = batch_slices(batch, max(1, TILE_BYTES // p.itemsize // (bq * bk)))
+    blocks = plan_blocks(ops.restrictions, bq, bk)
+    slices = {index: ops.at(index) for index in outer}
+    items = [(index, block) for index in outer for block in blocks]
+    inner = batch[split:]
+    results = map_blocks(xp, lambda item: _query_block(p, slices[item[0]], inner, item[1]), items)
+
+    outs, lses = [], []
+    for i in range(len(outer)):
+        mine = results[i * len(blocks) : (i + 1) * len(blocks)]
+        outs.append(concat(xp, [r[0] for r in mine], axis=-2))
+        lses.append(concat(xp, [r[1] for r in mine], axis=-1))
+    out = xp.reshape(xp.stack(outs), (*batch, p.L, p.Ev)) if split else outs[0]
+    lse = xp.reshape(xp.stack(lses), (*batch, p.L)) if split else lses[0]
+    return AttentionResult(
+        out=ungroup(p, out),
+        lse=ungroup(p, lse[..., None])[..., 0] if return_lse else None,
+    )

@@ -1,0 +1,204 @@
+r"""Tile-level backward of attention, shared by the materialized and blocked VJPs.
+
+With ``Z`` the final scores (soft-capped, biased, ``-inf`` where excluded), ``P = softmax(Z)``
+row-wise and ``O = P V``, the vector-Jacobian product for a cotangent ``dO`` follows from the
+softmax Jacobian ``dp_j/dz_k = p_j (delta_jk - p_k)``:
+
+* ``dV = Pᵀ dO`` and ``dP = dO Vᵀ``;
+* ``dZ = P * (dP - D)`` with ``D_i = sum_j P_ij dP_ij = rowsum(dO * O)_i``: the Jacobian applied
+  to a row without ever forming it (FlashAttention-2);
+* ``dBias = dZ``; the soft-cap ``c tanh(x / c)`` multiplies by ``1 - tanh²(x / c)``;
+* ``dQ = scale * dS K`` and ``dK = scale * dSᵀ Q``, with ``dS`` the gradient of ``Q Kᵀ``.
+
+A cotangent ``g`` of the log-sum-exp adds ``P * g`` to ``dZ`` (``d lse_i / d z_ij = P_ij``), so
+it folds into ``D`` as ``D - g``.
+
+Every function here works on one (query tile, key tile) pair in the kernel layout, so that a
+tile's ``P`` is either the softmax of the tile (when it covers every admissible key of its
+rows) or ``exp(Z - lse)`` from a saved log-sum-exp. Excluded keys have ``P = 0`` and rows with
+no admissible key (``lse = -inf``) have ``P = 0`` too, so their gradients are exactly zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._problem import Inputs, Problem
+from .._typing import Array
+from . import inplace
+from .layout import merge_groups
+from .operands import Operands, prepare, prepare_rows, tile_scores
+from .slicing import at_batch
+from .softmax import exp_shift, safe_reciprocal, safe_row_max
+
+__all__ = ["BackwardOperands", "TileGrads", "prepare_backward", "row_delta", "tile_gradients"]
+
+
+@dataclass(frozen=True)
+class BackwardOperands:
+    """The inputs of one backward pass, prepared once, in the kernel layout.
+
+    Attributes
+    ----------
+    ops : Operands
+        Query, key, value and their terms, as the forward prepares them.
+    d_out : array
+        The output cotangent ``(..., L, Ev)``.
+    out : array or None
+        The forward pass's output ``(..., L, Ev)``, when saved.
+    lse : array or None
+        The forward pass's log-sum-exp as ``(..., L, 1)`` rows, ``-inf`` replaced by 0
+        (:func:`~sdpa_array._kernels.softmax.exp_shift`), when saved.
+    grad_lse : array or None
+        Cotangent of the log-sum-exp, ``(..., L, 1)``.
+    """
+
+    ops: Operands
+    d_out: Array
+    out: Array = None
+    lse: Array = None
+    grad_lse: Array = None
+
+    def at(self, index: tuple[int, ...]) -> BackwardOperands:
+        """The operands of the outer batch slice ``index``."""
+        if not index:
+            return self
+        return BackwardOperands(
+            self.ops.at(index),
+            *(at_batch(a, index) for a in (self.d_out, self.out, self.lse, self.grad_lse)),
+        )
+
+    def rows(self, p: Problem, rows: slice) -> tuple[Array, Array, Array, Array]:
+        """``(q, d_out, lse, delta)`` of the query rows ``rows``.
+
+        ``lse`` and ``delta`` (``D`` of :func:`row_delta`) are ``None`` without a saved
+        forward pass; each tile must then hold whole rows.
+        """
+        q, d_out = self.ops.q[..., rows, :], self.d_out[..., rows, :]
+        if self.lse is None:
+            return q, d_out, None, None
+        g = None if self.grad_lse is None else self.grad_lse[..., rows, :]
+        return q, d_out, self.lse[..., rows, :], row_delta(p, d_out, self.out[..., rows, :], g)
+
+
+@dataclass(frozen=True)
+class TileGrads:
+    """Gradient contributions of one tile (compute dtype, kernel layout).
+
+    ``dq`` is ``(..., rows, E)``; ``dk`` and ``dv`` are ``(..., Hkv, cols, E|Ev)`` already summed
+    over the query heads of each group; ``dz`` is the gradient of the tile's final scores
+    (``dBias``), or ``None`` when no bias needs it.
+    """
+
+    dq: Array
+    dk: Array
+    dv: Array
+    dz: Array
+
+
+def prepare_backward(
+    p: Problem,
+    x: Inputs,
+    grad_output: Array,
+    *,
+    out: Array = None,
+    lse: Array = None,
+    grad_lse: Array = None,
+    ops: Operands | None = None,
+) -> BackwardOperands:
+    """Cast, scale and group every input of the backward pass once.
+
+    ``ops``: the operands when :func:`~sdpa_array._kernels.operands.prepare` already ran.
+    """
+    saved_lse = None if lse is None else exp_shift(p, prepare_rows(p, lse, features=False))
+    return BackwardOperands(
+        ops=prepare(p, x) if ops is None else ops,
+        d_out=prepare_rows(p, grad_output),
+        out=None if out is None else prepare_rows(p, out),
+        lse=saved_lse,
+        grad_lse=None if grad_lse is None else prepare_rows(p, grad_lse, features=False),
+    )
+
+
+def _probabilities(p: Problem, s: Array, lse_rows: Array) -> Array:
+    """``P`` of a tile from its final scores ``s``, which this consumes.
+
+    With ``lse_rows=None`` the tile holds every admissible key of its rows and ``P`` is its
+    row-wise softmax; otherwise ``P = exp(s - lse)``.
+    """
+    xp = p.xp
+    if lse_rows is None:
+        prob = xp.exp(inplace.subtract(s, safe_row_max(p, s)))
+        return inplace.multiply(prob, safe_reciprocal(p, xp.sum(prob, axis=-1, keepdims=True)))
+    return xp.exp(inplace.subtract(s, lse_rows))
+
+
+def row_delta(p: Problem, d_out: Array, out: Array, grad_lse: Array) -> Array:
+    """``D = rowsum(dO * O)``, minus the log-sum-exp cotangent when there is one; ``(..., 1)``."""
+    xp = p.xp
+    delta = xp.sum(d_out * out, axis=-1, keepdims=True)
+    return delta if grad_lse is None else delta - grad_lse
+
+
+def tile_gradients(
+    p: Problem,
+    ops: Operands,
+    q_rows: Array,
+    d_out_rows: Array,
+    rows: slice,
+    cols: slice,
+    *,
+    lse_rows: Array,
+    delta_rows: Array,
+    grad_lse_rows: Array,
+    need_dz: bool,
+) -> TileGrads:
+    """Gradient contributions of the (``rows``, ``cols``) tile.
+
+    Parameters
+    ----------
+    p : Problem
+        The validated call.
+    ops : Operands
+        The prepared operands (keys, values and terms are cut to ``cols`` here).
+    q_rows, d_out_rows : array
+        Prepared query and output cotangent cut to ``rows``.
+    rows, cols : slice
+        Query and key index ranges of the tile.
+    lse_rows : array or None
+        Safe log-sum-exp of the rows, ``(..., rows, 1)``, for ``P = exp(Z - lse)``; ``None``
+        when the tile holds every admissible key of its rows, so that its own softmax is
+        ``P``.
+    delta_rows : array or None
+        ``D`` of the rows, ``(..., rows, 1)`` (see :func:`row_delta`); ``None`` to compute it
+        from the tile as ``rowsum(P * dP)``, which needs the tile to hold whole rows.
+    grad_lse_rows : array or None
+        Log-sum-exp cotangent ``(..., rows, 1)``; used only when ``delta_rows`` is ``None``.
+    need_dz : bool
+        Whether to return the score gradient (for ``dBias``).
+    """
+    xp = p.xp
+    k = ops.k[..., cols, :]
+    v = ops.v[..., cols, :]
+    s, factor = tile_scores(p, ops, q_rows, rows, cols, need_factor=True)
+    prob = _probabilities(p, s, lse_rows)
+    del s
+    d_prob = xp.matmul(d_out_rows, xp.matrix_transpose(v))
+    if delta_rows is None:
+        delta_rows = xp.vecdot(prob, d_prob)[..., None]
+        if grad_lse_rows is not None:
+            delta_rows = delta_rows - grad_lse_rows
+    dz = inplace.multiply(inplace.subtract(d_prob, delta_rows), prob)  # P * (dP - D)
+    dv = xp.matmul(xp.matrix_transpose(merge_groups(p, prob)), merge_groups(p, d_out_rows))
+    del prob
+    if factor is None:
+        ds = dz
+    elif need_dz:
+        ds = dz * factor
+    else:
+        ds = dz = inplace.multiply(dz, factor)
+    dq = xp.matmul(ds, k)
+    if factor is None:
+        dq = inplace.multiply(dq, p.scale)
+    dk = xp.matmul(xp.matrix_transpose(merge_groups(p, ds)), merge_groups(p, q_rows))
+    return TileGrads(dq=dq, dk=dk, dv=dv, dz=dz if need_dz else None)

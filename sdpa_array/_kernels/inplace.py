@@ -1,0 +1,41 @@
+"""Updates in place where the array allows it: the one place that decides.
+
+NumPy, CuPy, array-api-strict and torch (outside autograd) update an array in place, which
+saves a temporary per tile; JAX and Dask arrays are immutable, and their ``x -= y`` already
+rebinds. A torch tensor that takes part in autograd must not be changed in place (the
+values saved for its backward pass would change), and a read-only NumPy array cannot be.
+The kernels call :func:`subtract` and :func:`multiply` on arrays they created themselves.
+"""
+
+from __future__ import annotations
+
+from .._typing import Array
+
+__all__ = ["multiply", "subtract"]
+
+
+def _in_place(x: Array, y: Array) -> bool:
+    """Whether ``x`` may take the result of ``x op y``: its shape holds it and it is writable."""
+    xs, ys = tuple(x.shape), tuple(getattr(y, "shape", ()))
+    if len(ys) > len(xs) or any(b not in (1, a) for a, b in zip(xs[::-1], ys[::-1], strict=False)):
+        return False
+    if getattr(x, "requires_grad", False) or getattr(y, "requires_grad", False):
+        return False
+    flags = getattr(x, "flags", None)
+    return flags is None or bool(getattr(flags, "writeable", True))
+
+
+def subtract(x: Array, y: Array) -> Array:
+    """``x - y``, written into ``x`` where that is allowed; use the returned array."""
+    if _in_place(x, y):
+        x -= y
+        return x
+    return x - y
+
+
+def multiply(x: Array, y: Array) -> Array:
+    """``x * y``, written into ``x`` where that is allowed; use the returned array."""
+    if _in_place(x, y):
+        x *= y
+        return x
+    return x * y

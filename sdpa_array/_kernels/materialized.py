@@ -1,0 +1,32 @@
+"""The materialized forward kernel: the whole ``(..., L, S)`` score matrix at once.
+
+The textbook computation (scores, stable softmax, product with V) in the compute dtype, as
+one tile covering every query and key: the simplest kernel, and the fastest for small calls.
+"""
+
+from __future__ import annotations
+
+from .._problem import Inputs, Problem
+from .._result import AttentionResult
+from .layout import ungroup
+from .operands import prepare, tile_scores
+from .softmax import log_sum_exp, safe_reciprocal, safe_row_max
+
+__all__ = ["materialized_attention"]
+
+
+def materialized_attention(
+    p: Problem, x: Inputs, *, return_weights: bool, return_lse: bool
+) -> AttentionResult:
+    """Attention with the full score matrix; memory ``O(L * S)`` per batch and head."""
+    xp = p.xp
+    ops = prepare(p, x)
+    s, _ = tile_scores(p, ops, ops.q, slice(0, p.L), slice(0, p.S))
+    row_max = safe_row_max(p, s)
+    e = xp.exp(s - row_max)
+    total = xp.sum(e, axis=-1, keepdims=True)
+    inv = safe_reciprocal(p, total)
+    out = ungroup(p, xp.matmul(e, ops.v) * inv)
+    weights = ungroup(p, e * inv) if return_weights else None
+    lse = ungroup(p, log_sum_exp(p, row_max, total)[..., None])[..., 0] if return_lse else None
+    return AttentionResult(out=out, weights=weights, lse=lse)

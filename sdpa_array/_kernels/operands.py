@@ -1,0 +1,140 @@
+"""The operands of a kernel, prepared once: cast, scaled, grouped, and with their terms.
+
+:func:`prepare` turns the caller's arrays into :class:`Operands` in the kernel layout of
+:mod:`sdpa_array._kernels.layout`:
+
+1. query, key and value are cast to the compute dtype (at least float32); the scale is
+   folded into the query when :attr:`ScoreTerms.scale_in_query`; with grouped-query
+   attention the query heads are split into ``(Hkv, G)`` so that keys and values are never
+   repeated in memory;
+2. the bias becomes a :class:`ScoreTerms` member, the mask and the causal/window band
+   members of one :class:`Restrictions`.
+
+:func:`tile_scores` then gives the final scores of any (query rows, key columns) tile, and
+every kernel, forward or backward, materialized or blocked, goes through it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .._problem import Inputs, Problem
+from .._typing import Array
+from .layout import (
+    at_batch,
+    broadcast_if_needed,
+    grouped_operand,
+    grouped_score_term,
+    leading_axes,
+)
+from .restrictions import DenseMask, Restriction, Restrictions
+from .score_terms import ScoreTerms
+
+__all__ = ["Operands", "prepare", "prepare_rows", "tile_scores"]
+
+
+@dataclass(frozen=True)
+class Operands:
+    """Prepared operands, each with ``len(p.kernel_batch) + 2`` axes.
+
+    Attributes
+    ----------
+    q, k, v : array
+        Compute dtype, kernel layout; ``q`` carries the scale when
+        :attr:`ScoreTerms.scale_in_query`.
+    terms : ScoreTerms
+        What turns ``q kᵀ`` into scores.
+    restrictions : Restrictions
+        Which pairs are admissible.
+    """
+
+    q: Array
+    k: Array
+    v: Array
+    terms: ScoreTerms
+    restrictions: Restrictions
+
+    def at(self, index: tuple[int, ...]) -> Operands:
+        """The operands of the outer batch slice ``index``."""
+        if not index:
+            return self
+        return Operands(
+            q=at_batch(self.q, index),
+            k=at_batch(self.k, index),
+            v=at_batch(self.v, index),
+            terms=self.terms.at(index),
+            restrictions=self.restrictions.at(index),
+        )
+
+
+def prepare_rows(p: Problem, x: Array, *, features: bool = True) -> Array:
+    """A query-shaped array in the compute dtype, the full batch shape and kernel layout.
+
+    ``features=True``: ``(..., Hq, L, X)`` arrays (output, its cotangent); ``False``:
+    ``(..., Hq, L)`` rows (log-sum-exp, its cotangent), returned as ``(..., L, 1)``.
+    """
+    xp = p.xp
+    x = xp.astype(x, p.compute_dtype, copy=False)
+    if not features:
+        x = x[..., None]
+    x = broadcast_if_needed(xp, x, (*p.batch_shape, p.L, int(x.shape[-1])))
+    if p.grouped:
+        x = grouped_operand(p, x, query=True)
+    return x
+
+
+def prepare(p: Problem, x: Inputs) -> Operands:
+    """Cast, scale and group the caller's arrays once, and collect their terms."""
+    xp = p.xp
+    ndim = len(p.kernel_batch) + 2
+
+    def layout(t: Array, *, query: bool = False, term: bool = False) -> Array:
+        if t is None:
+            return None
+        if p.grouped:
+            t = grouped_score_term(p, t) if term else grouped_operand(p, t, query=query)
+        return leading_axes(xp, t, ndim)
+
+    bias = None if x.bias is None else xp.astype(x.bias, p.compute_dtype, copy=False)
+    terms = ScoreTerms(p.scale, p.softcap, layout(bias, term=True))
+    q = xp.astype(x.query, p.compute_dtype, copy=False)
+    if terms.scale_in_query:
+        q = q * p.scale
+    members: list[Restriction] = []
+    if p.band.restricts:
+        members.append(p.band)
+    if x.mask is not None:
+        members.append(DenseMask(layout(x.mask, term=True), p.S))
+    return Operands(
+        q=layout(q, query=True),
+        k=layout(xp.astype(x.key, p.compute_dtype, copy=False)),
+        v=layout(xp.astype(x.value, p.compute_dtype, copy=False)),
+        terms=terms,
+        restrictions=Restrictions(tuple(members), p.L, p.S),
+    )
+
+
+def tile_scores(
+    p: Problem,
+    ops: Operands,
+    q_rows: Array,
+    rows: slice,
+    cols: slice,
+    *,
+    need_factor: bool = False,
+) -> tuple[Array, Any]:
+    """Final scores of the (``rows``, ``cols``) tile, ``-inf`` where excluded.
+
+    ``q_rows`` is ``ops.q`` cut to ``rows`` (the caller cuts it once per query block).
+    Returns the scores and, with ``need_factor``, the factor that takes their gradient back
+    to ``q kᵀ`` (see :meth:`ScoreTerms.apply`).
+    """
+    xp = p.xp
+    raw = xp.matmul(q_rows, xp.matrix_transpose(ops.k[..., cols, :]))
+    s, factor = ops.terms.apply(xp, raw, rows, cols, need_factor=need_factor)
+    allowed = ops.restrictions.tile_mask(xp, p.device, rows, cols)
+    if allowed is not None:
+        s = xp.where(allowed, s, xp.asarray(-math.inf, dtype=s.dtype, device=p.device))
+    return s, factor

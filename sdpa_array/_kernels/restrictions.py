@@ -1,0 +1,237 @@
+"""Restrictions: which (query, key) pairs may attend, behind one interface.
+
+Every restriction of a call (causal and sliding-window positions, a dense boolean ``mask``,
+and whatever comes next: query/key lengths, segment ids, mask functions) is a member of
+one :class:`Restrictions`, which the kernels ask two questions about a tile of queries
+``rows`` and keys ``cols``:
+
+* :meth:`Restrictions.classify`: is the tile :attr:`TileKind.EMPTY` (no pair admissible:
+  the planners skip it), :attr:`TileKind.FULL` (every pair admissible: no ``where`` needed)
+  or :attr:`TileKind.PARTIAL`;
+* :meth:`Restrictions.tile_mask`: the boolean mask of the tile, built only when it is
+  partial (``None`` for a full tile).
+
+A member implements the :class:`Restriction` protocol. It describes itself by two key
+ranges of a query block, answered in plain Python integers before any array work: the keys
+*some* query of the block may reach (:meth:`~Restriction.key_range`, a superset) and the
+keys *every* query of the block may reach (:meth:`~Restriction.full_range`, a subset); a
+member that cannot know (a dense mask, whose values are data) answers ``(0, S)`` and an
+empty range. The combination is the logical *and* of its members.
+
+Positions follow the call's alignment: query ``i`` has its *diagonal* at key ``i + offset``
+(``offset = 0`` for ``"top_left"``, ``S - L`` for ``"bottom_right"``); ``is_causal`` admits
+key ``j`` only if ``j <= i + offset`` and ``window=(left, right)`` only if
+``i + offset - left <= j <= i + offset + right``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Protocol
+
+from .._typing import Array
+from .slicing import at_batch, tile_of
+
+__all__ = ["Band", "DenseMask", "Restriction", "Restrictions", "TileKind"]
+
+
+class TileKind(enum.Enum):
+    """How a restriction covers a (query block, key block) tile."""
+
+    EMPTY = "empty"
+    FULL = "full"
+    PARTIAL = "partial"
+
+
+class Restriction(Protocol):
+    """One restriction of an attention call (see the module docstring)."""
+
+    def key_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        """Keys ``[lo, hi)`` outside which no query of ``[q_start, q_stop)`` may attend."""
+        ...
+
+    def full_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        """Keys ``[lo, hi)`` that every query of ``[q_start, q_stop)`` may attend."""
+        ...
+
+    def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array:
+        """Boolean mask of the tile, broadcastable to ``(..., rows, cols)``."""
+        ...
+
+    def at(self, index: tuple[int, ...]) -> Restriction:
+        """The restriction of the outer batch slice ``index`` of the kernel layout."""
+        ...
+
+
+def _classify(key: tuple[int, int], full: tuple[int, int], cols: slice) -> TileKind:
+    lo, hi = max(key[0], cols.start), min(key[1], cols.stop)
+    if lo >= hi:
+        return TileKind.EMPTY
+    if full[0] <= cols.start and cols.stop <= full[1]:
+        return TileKind.FULL
+    return TileKind.PARTIAL
+
+
+@dataclass(frozen=True)
+class Band:
+    """Causal and sliding-window restrictions, as index arithmetic.
+
+    Attributes
+    ----------
+    L, S : int
+        Query and key lengths.
+    is_causal : bool
+        Whether keys after each query's diagonal are excluded.
+    left, right : int or None
+        Window sizes on each side of the diagonal (``None`` = unbounded).
+    offset : int
+        Key index of query 0's diagonal.
+    """
+
+    L: int
+    S: int
+    is_causal: bool
+    left: int | None
+    right: int | None
+    offset: int
+
+    @property
+    def restricts(self) -> bool:
+        """Whether any key is excluded by position."""
+        return self.is_causal or self.left is not None or self.right is not None
+
+    def _upper(self) -> int | None:
+        """Largest admissible ``j - i - offset`` (``None`` = unbounded)."""
+        bounds = [b for b in (0 if self.is_causal else None, self.right) if b is not None]
+        return min(bounds) if bounds else None
+
+    def _keys_of(self, i: int) -> tuple[int, int]:
+        """Unclipped keys ``[lo, hi)`` of query ``i`` (both ends grow with ``i``)."""
+        upper = self._upper()
+        lo = i + self.offset - self.left if self.left is not None else 0
+        hi = i + self.offset + upper + 1 if upper is not None else self.S
+        return lo, hi
+
+    def key_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        if q_start >= q_stop:
+            return 0, 0
+        lo = max(0, self._keys_of(q_start)[0])
+        hi = min(self.S, self._keys_of(q_stop - 1)[1])
+        return lo, max(lo, hi)
+
+    def full_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        if q_start >= q_stop:
+            return 0, self.S
+        lo = max(0, self._keys_of(q_stop - 1)[0])
+        hi = min(self.S, self._keys_of(q_start)[1])
+        return lo, max(lo, hi)
+
+    def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array:
+        row = xp.arange(rows.start, rows.stop, device=device)[:, None]
+        col = xp.arange(cols.start, cols.stop, device=device)[None, :]
+        rel = col - row - self.offset  # j - diag(i)
+        allowed = xp.ones((rows.stop - rows.start, cols.stop - cols.start), dtype=xp.bool)
+        upper = self._upper()
+        if upper is not None:
+            allowed = rel <= upper
+        if self.left is not None:
+            allowed = xp.logical_and(allowed, rel >= -self.left)
+        return allowed
+
+    def at(self, index: tuple[int, ...]) -> Band:
+        return self
+
+
+@dataclass(frozen=True)
+class DenseMask:
+    """The caller's boolean ``mask``, in the kernel layout (``True`` = may attend).
+
+    Its values are data, so it never makes a tile empty or full by itself.
+    """
+
+    mask: Array
+    S: int
+
+    def key_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        return 0, self.S
+
+    def full_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        return 0, 0
+
+    def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array:
+        return tile_of(self.mask, rows, cols)
+
+    def at(self, index: tuple[int, ...]) -> DenseMask:
+        return DenseMask(at_batch(self.mask, index), self.S)
+
+
+@dataclass(frozen=True)
+class Restrictions:
+    """Every restriction of a call; a pair is admissible when every member admits it.
+
+    Attributes
+    ----------
+    members : tuple of Restriction
+        The restrictions; none means every pair is admissible.
+    L, S : int
+        Query and key lengths.
+    """
+
+    members: tuple[Restriction, ...]
+    L: int
+    S: int
+
+    @property
+    def bounds_keys(self) -> bool:
+        """Whether the first or the last query reaches fewer than all ``S`` keys.
+
+        Then query blocks reach different keys, and the backward planner uses a finer key
+        grid.
+        """
+        ends = [(0, 1), (self.L - 1, self.L)] if self.L > 0 else []
+        return any(m.key_range(a, b) != (0, self.S) for m in self.members for a, b in ends)
+
+    def key_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        """Keys outside which no query of ``[q_start, q_stop)`` may attend (intersection)."""
+        lo, hi = 0, self.S
+        for m in self.members:
+            a, b = m.key_range(q_start, q_stop)
+            lo, hi = max(lo, a), min(hi, b)
+        return lo, max(lo, hi)
+
+    def full_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        """Keys that every query of ``[q_start, q_stop)`` may attend (intersection)."""
+        lo, hi = 0, self.S
+        for m in self.members:
+            a, b = m.full_range(q_start, q_stop)
+            lo, hi = max(lo, a), min(hi, b)
+        return lo, max(lo, hi)
+
+    def classify(self, rows: slice, cols: slice) -> TileKind:
+        """Whether the tile is empty, full or partial."""
+        return _classify(
+            self.key_range(rows.start, rows.stop), self.full_range(rows.start, rows.stop), cols
+        )
+
+    def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array | None:
+        """Boolean mask of a tile, or ``None`` when every pair of the tile is admissible.
+
+        Members that admit the whole tile contribute nothing; the others are combined with
+        a logical *and*.
+        """
+        allowed = None
+        for m in self.members:
+            full = m.full_range(rows.start, rows.stop)
+            if _classify(m.key_range(rows.start, rows.stop), full, cols) is TileKind.FULL:
+                continue
+            mine = m.tile_mask(xp, device, rows, cols)
+            allowed = mine if allowed is None else xp.logical_and(allowed, mine)
+        return allowed
+
+    def at(self, index: tuple[int, ...]) -> Restrictions:
+        """The restrictions of the outer batch slice ``index``."""
+        if not index:
+            return self
+        return Restrictions(tuple(m.at(index) for m in self.members), self.L, self.S)

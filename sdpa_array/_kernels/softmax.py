@@ -1,0 +1,46 @@
+"""Safe softmax pieces: scores to probabilities and log-sum-exps without NaN.
+
+A row with no admissible key has only ``-inf`` scores. These helpers never form
+``inf - inf`` or ``log(0)`` for such a row, so it gets weights and output of exactly zero and
+a log-sum-exp of ``-inf``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .._problem import Problem
+from .._typing import Array
+
+__all__ = ["exp_shift", "log_sum_exp", "safe_reciprocal", "safe_row_max"]
+
+
+def exp_shift(p: Problem, x: Array) -> Array:
+    """``x`` (a row maximum or log-sum-exp) with ``-inf`` replaced by 0, to subtract before ``exp``.
+
+    A row whose reference is ``-inf`` has only ``-inf`` scores: ``exp(score - 0)`` gives its
+    exact zeros, where ``exp(-inf - (-inf))`` would give NaN.
+    """
+    xp = p.xp
+    return xp.where(x == -math.inf, xp.zeros_like(x), x)
+
+
+def safe_row_max(p: Problem, s: Array) -> Array:
+    """Row maximum ``(..., 1)`` of the scores, with ``-inf`` replaced by 0 (:func:`exp_shift`)."""
+    return exp_shift(p, p.xp.max(s, axis=-1, keepdims=True))
+
+
+def safe_reciprocal(p: Problem, total: Array) -> Array:
+    """``1 / total`` where ``total > 0``, else 0 (rows with no admissible key)."""
+    xp = p.xp
+    positive = total > 0
+    return xp.where(positive, 1.0 / xp.where(positive, total, xp.ones_like(total)), 0.0)
+
+
+def log_sum_exp(p: Problem, row_max: Array, total: Array) -> Array:
+    """``row_max + log(total)``, and ``-inf`` where ``total == 0``; drops the last axis."""
+    xp = p.xp
+    positive = total > 0
+    lse = row_max + xp.log(xp.where(positive, total, xp.ones_like(total)))
+    lse = xp.where(positive, lse, xp.asarray(-math.inf, dtype=lse.dtype, device=p.device))
+    return lse[..., 0]

@@ -1,0 +1,256 @@
+"""Tiling: block sizes, tile plans and batch slices, shared by the blocked kernels.
+
+Everything here is plain Python arithmetic on lengths, done before any array work. The
+forward plan (:func:`plan_blocks`) and the backward plan (:func:`plan_backward`) ask the
+call's :class:`~sdpa_array._kernels.restrictions.Restrictions` which keys a query block can
+reach and which tiles are empty, full or partial; empty tiles are never planned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from .._problem import Problem
+from .restrictions import Restrictions, TileKind
+
+__all__ = [
+    "BLOCK_ALIGN",
+    "GRID_RESTRICTED",
+    "MAX_BLOCK_K",
+    "MIN_ROWS",
+    "TILE_BYTES",
+    "BackwardBlock",
+    "BackwardPlan",
+    "KeyTile",
+    "QueryBlock",
+    "balanced",
+    "batch_slices",
+    "choose_block_sizes",
+    "plan_backward",
+    "plan_blocks",
+]
+
+#: Target size in bytes of one score tile (all batch elements processed together in it);
+#: docs/performance.md has the measurements behind it.
+TILE_BYTES = 2**20
+
+#: Longest default key block: the online-softmax rescaling of the output (``block_q * Ev``
+#: per key block) stays small beside the tile, and ``block_q`` stays at 256 for float32
+#: (128 for float64) in the tile budget.
+MAX_BLOCK_K = 1024
+
+#: Default blocks are multiples of this (matrix-product kernels prefer aligned sizes).
+BLOCK_ALIGN = 16
+
+#: Key grid block of the backward pass when restrictions let query blocks reach different
+#: keys: a tile starts and ends on this grid, so at most one grid block of excluded keys is
+#: computed on each side of the admissible band.
+GRID_RESTRICTED = 256
+
+#: Fewest query rows in a backward tile that holds whole rows: a row of up to
+#: ``TILE_BYTES / (itemsize * MIN_ROWS)`` keys (4096 in float32) fits one tile, so the
+#: backward pass needs no forward pass; fewer rows would make ``dK = dSᵀ Q``'s inner
+#: dimension too short to be fast.
+MIN_ROWS = 64
+
+
+@dataclass(frozen=True)
+class KeyTile:
+    """Keys ``[start, stop)`` of one forward tile and how the restrictions cover it."""
+
+    start: int
+    stop: int
+    kind: TileKind
+
+    @property
+    def full(self) -> bool:
+        """Whether every pair of the tile is admissible (no mask needed)."""
+        return self.kind is TileKind.FULL
+
+
+@dataclass(frozen=True)
+class QueryBlock:
+    """Queries ``[start, stop)`` and the key tiles they visit, in order.
+
+    An empty ``tiles`` means no query of the block may attend any key.
+    """
+
+    start: int
+    stop: int
+    tiles: tuple[KeyTile, ...]
+
+
+def balanced(n: int, most: int) -> int:
+    """Block length ``<= most`` (when ``most >= BLOCK_ALIGN``) that splits ``n`` evenly."""
+    if n <= most:
+        return n
+    count = -(-n // most)
+    size = -(-n // count)
+    aligned = -(-size // BLOCK_ALIGN) * BLOCK_ALIGN
+    return aligned if aligned <= most else size
+
+
+def check_block_sizes(block_q: int | None, block_k: int | None) -> None:
+    """Raise ``ValueError`` unless each of ``block_q``, ``block_k`` is a positive int or None."""
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def choose_block_sizes(
+    p: Problem, block_q: int | None = None, block_k: int | None = None
+) -> tuple[int, int]:
+    """Block sizes for ``p``: the overrides where given, else sized to :data:`TILE_BYTES`.
+
+    The key block is as long as possible (up to :data:`MAX_BLOCK_K`) and the query block
+    fills the rest of the tile budget; both are balanced so that the last block is not a
+    sliver (``S = 1028`` gives two key blocks of 528, not 1024 and 4).
+
+    Returns
+    -------
+    (int, int)
+        ``(block_q, block_k)``, each at least 1 and at most ``L`` and ``S`` (when those are
+        positive).
+    """
+    check_block_sizes(block_q, block_k)
+    budget = max(TILE_BYTES // p.itemsize, BLOCK_ALIGN * BLOCK_ALIGN)
+    S, L = max(p.S, 1), max(p.L, 1)
+    if block_k is None:
+        block_k = balanced(S, min(MAX_BLOCK_K, budget // BLOCK_ALIGN))
+    if block_q is None:
+        block_q = balanced(L, max(BLOCK_ALIGN, budget // block_k))
+    return min(block_q, L), min(block_k, S)
+
+
+def _tiles(r: Restrictions, rows: slice, lo: int, hi: int, size: int) -> list[KeyTile]:
+    tiles = []
+    for k0 in range(lo, hi, size):
+        cols = slice(k0, min(k0 + size, hi))
+        kind = r.classify(rows, cols)
+        if kind is not TileKind.EMPTY:
+            tiles.append(KeyTile(cols.start, cols.stop, kind))
+    return tiles
+
+
+def plan_blocks(r: Restrictions, block_q: int, block_k: int) -> list[QueryBlock]:
+    """The query blocks of a forward pass and, for each, the key tiles it must visit.
+
+    Keys outside :meth:`Restrictions.key_range` of a query block are skipped. The
+    reachable range is cut into the keys that every query of the block may attend
+    (:meth:`Restrictions.full_range`) and the partial bands on either side, so that as few
+    tiles as possible need a mask; each part is split into tiles of at most ``block_k``
+    keys, and tiles the restrictions classify as empty are dropped.
+
+    Returns
+    -------
+    list of QueryBlock
+        Covering queries ``[0, L)`` in order; together their tiles cover every admissible
+        (query, key) pair exactly once.
+    """
+    blocks = []
+    for q0 in range(0, r.L, block_q):
+        rows = slice(q0, min(q0 + block_q, r.L))
+        lo, hi = r.key_range(rows.start, rows.stop)
+        full_lo, full_hi = r.full_range(rows.start, rows.stop)
+        full_lo = min(max(full_lo, lo), hi)
+        full_hi = max(min(full_hi, hi), full_lo)
+        cuts = [lo, hi] if full_lo >= full_hi else [lo, full_lo, full_hi, hi]
+        tiles = [t for a, b in itertools.pairwise(cuts) for t in _tiles(r, rows, a, b, block_k)]
+        blocks.append(QueryBlock(rows.start, rows.stop, tuple(tiles)))
+    return blocks
+
+
+def batch_slices(batch: tuple[int, ...], per_item: int) -> tuple[int, list[tuple[int, ...]]]:
+    """Split the batch into slices that fit a tile: ``(split, indices)``.
+
+    ``split`` is the smallest number of leading batch axes to loop over so that the rest,
+    ``prod(batch[split:])`` elements, is at most ``per_item``; ``indices`` lists the index
+    tuples of those leading axes in row-major order (``[()]`` when ``split == 0``).
+    """
+    split = len(batch)
+    for n in range(len(batch) + 1):
+        if math.prod(batch[n:]) <= per_item:
+            split = n
+            break
+    return split, list(itertools.product(*(range(n) for n in batch[:split])))
+
+
+@dataclass(frozen=True)
+class BackwardBlock:
+    """Queries ``[start, stop)`` and the key tiles ``[(start, stop), ...]`` they visit.
+
+    Every tile is a run of whole grid blocks (the last one possibly cut at ``S``); an empty
+    ``tiles`` means no query of the block may attend any key.
+    """
+
+    start: int
+    stop: int
+    tiles: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """Block sizes and query blocks of one blocked backward pass.
+
+    Attributes
+    ----------
+    block_q : int
+        Query block length.
+    grid : int
+        Key grid block length: the unit in which ``dK``, ``dV`` and ``dBias`` are summed.
+    width : int
+        Longest key tile (a multiple of ``grid``).
+    blocks : tuple of BackwardBlock
+        The query blocks, in order, covering ``[0, L)``.
+    """
+
+    block_q: int
+    grid: int
+    width: int
+    blocks: tuple[BackwardBlock, ...]
+
+    @property
+    def rows_fit_one_tile(self) -> bool:
+        """Whether each query block's keys fit one tile, so no log-sum-exp is needed."""
+        return all(len(b.tiles) <= 1 for b in self.blocks)
+
+
+def plan_backward(
+    p: Problem, r: Restrictions, block_q: int | None = None, block_k: int | None = None
+) -> BackwardPlan:
+    """Plan the blocked backward pass of ``p`` (``L``, ``S`` > 0).
+
+    Tiles hold about :data:`TILE_BYTES` of scores per batch element, like the forward's. By
+    default a tile holds whole rows (all ``S`` keys, and as many query rows as fit) when at
+    least :data:`MIN_ROWS` rows fit; otherwise, or when ``block_k`` is given, the blocks are
+    the forward's (:func:`choose_block_sizes`). The key grid is the key block, or
+    :data:`GRID_RESTRICTED` when the restrictions make query blocks reach different keys and
+    ``block_k`` is not given; tiles are then runs of grid blocks at most ``block_k``
+    (rounded up to the grid) wide.
+    """
+    bq, bk = choose_block_sizes(p, block_q, block_k)  # also validates the overrides
+    budget = TILE_BYTES // p.itemsize
+    if block_k is None and budget >= p.S * MIN_ROWS:
+        bk = p.S
+        bq = min(block_q or balanced(p.L, max(BLOCK_ALIGN, budget // p.S)), p.L)
+    grid = bk if block_k is not None or not r.bounds_keys else min(bk, GRID_RESTRICTED)
+    width = -(-bk // grid) * grid
+    blocks = []
+    for q0 in range(0, p.L, bq):
+        rows = slice(q0, min(q0 + bq, p.L))
+        lo, hi = r.key_range(rows.start, rows.stop)
+        tiles: tuple[tuple[int, int], ...] = ()
+        if lo < hi:
+            c0 = lo // grid * grid
+            c1 = min(p.S, -(-hi // grid) * grid)
+            tiles = tuple(
+                (a, min(a + width, c1))
+                for a in range(c0, c1, width)
+                if r.classify(rows, slice(a, min(a + width, c1))) is not TileKind.EMPTY
+            )
+        blocks.append(BackwardBlock(rows.start, rows.stop, tiles))
+    return BackwardPlan(bq, grid, width, tuple(blocks))

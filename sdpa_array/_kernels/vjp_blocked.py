@@ -1,0 +1,311 @@
+"""The blocked backward kernel: FlashAttention-2's backward pass in ``O(block)`` memory.
+
+Organisation
+------------
+Queries are cut into blocks of ``block_q`` rows and keys into a fixed *grid* of key blocks
+(:func:`~sdpa_array._kernels.tiling.plan_backward`). The batch is split into slices exactly
+as the blocked forward splits it, so that one score tile stays near ``TILE_BYTES``. A query
+block visits the grid blocks its queries can reach (the restrictions skip the rest: causal
+attention does about half the work), in tiles of whole grid blocks, and each tile gives
+
+* rows of ``dQ``, summed over the block's tiles;
+* one piece of ``dK`` and ``dV`` per grid block, summed over the tile's rows (and over the
+  query heads of each GQA group, inside the matrix product);
+* pieces of ``dBias``, each already summed down to the bias's own shape.
+
+A work item is some query blocks of one batch slice (:func:`_deal`); it sums its pieces grid
+block by grid block (:func:`_item`), the caller adds the items' sums (:func:`_sum_items`)
+and puts the gradients together (:class:`_Assembly`), with zeros for skipped tiles. Nothing
+ever holds a score matrix. Items are independent, so
+:func:`~sdpa_array._kernels.parallel.map_blocks` runs them concurrently for NumPy.
+
+Where the probabilities come from
+---------------------------------
+* When each query block reaches few enough keys for one tile, the tile holds whole rows: its
+  own softmax is ``P`` and ``D = rowsum(P * dP)``. No forward pass is needed; a tile costs
+  five matrix products.
+* Otherwise ``P = exp(Z - lse)`` with the log-sum-exp of the blocked forward pass, and
+  ``D = rowsum(dO * O)`` with its output: FlashAttention-2's recomputation. Under autograd
+  the forward's output and log-sum-exp are saved, and they are always used.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._problem import Inputs, Problem
+from .._result import RawGrads
+from .._typing import Array
+from .blocked import blocked_attention
+from .gradients import BackwardOperands, prepare_backward, tile_gradients
+from .layout import concat, sum_to_shape
+from .operands import prepare
+from .parallel import get_num_threads, map_blocks
+from .slicing import tile_of
+from .tiling import TILE_BYTES, BackwardBlock, BackwardPlan, batch_slices, plan_backward
+
+__all__ = ["ITEMS_PER_THREAD", "blocked_vjp"]
+
+#: Work items per thread (when the batch has fewer slices): enough for load balance, few
+#: enough that their partial sums of ``dK`` and ``dV`` stay few.
+ITEMS_PER_THREAD = 2
+
+Index = tuple[int, ...]
+
+
+@dataclass
+class _Sums:
+    """Gradient pieces summed so far, by key.
+
+    ``dq`` maps ``(index, block start)`` to rows of ``dQ``; ``dk`` and ``dv`` map
+    ``(index, grid block start)`` to pieces; ``bias`` maps ``(index, row key, column key)``
+    (``None`` along a broadcast axis) to a piece of ``dBias``. Each ``index`` is the batch
+    index as the gradient's own array sees it (its size-1 axes broadcast).
+    """
+
+    dq: dict[Any, Array] = field(default_factory=dict)
+    dk: dict[Any, Array] = field(default_factory=dict)
+    dv: dict[Any, Array] = field(default_factory=dict)
+    bias: dict[Any, Array] = field(default_factory=dict)
+
+
+def _add(acc: dict[Any, Array], key: Any, x: Array) -> None:
+    """``acc[key] += x``, without touching ``x`` in place."""
+    acc[key] = x if key not in acc else acc[key] + x
+
+
+def _grid_pieces(plan: BackwardPlan, a: int, b: int) -> list[tuple[int, slice]]:
+    """The grid blocks ``c`` of the tile ``[a, b)`` and their slices within it."""
+    return [(c, slice(c - a, min(c + plan.grid, b) - a)) for c in range(a, b, plan.grid)]
+
+
+def _query_block(
+    p: Problem, plan: BackwardPlan, b: BackwardOperands, block: BackwardBlock, sums: _Sums
+) -> None:
+    """Add the contributions of one query block's tiles to ``sums`` (index ``()``)."""
+    xp, ops = p.xp, b.ops
+    rows = slice(block.start, block.stop)
+    q, d_out, lse, delta = b.rows(p, rows)
+    bias = ops.terms.bias
+    for a, z in block.tiles:
+        cols = slice(a, z)
+        t = tile_gradients(
+            p,
+            ops,
+            q,
+            d_out,
+            rows,
+            cols,
+            lse_rows=lse,
+            delta_rows=delta,
+            grad_lse_rows=None if b.grad_lse is None else b.grad_lse[..., rows, :],
+            need_dz=bias is not None,
+        )
+        _add(sums.dq, block.start, t.dq)
+        lead_k = ops.k.shape[:-3] if p.grouped else ops.k.shape[:-2]
+        lead_v = ops.v.shape[:-3] if p.grouped else ops.v.shape[:-2]
+        dk = sum_to_shape(xp, t.dk, (*lead_k, z - a, p.E))
+        dv = sum_to_shape(xp, t.dv, (*lead_v, z - a, p.Ev))
+        for c, piece in _grid_pieces(plan, a, z):
+            _add(sums.dk, c, dk[..., piece, :])
+            _add(sums.dv, c, dv[..., piece, :])
+        if t.dz is not None:
+            dz = sum_to_shape(xp, t.dz, tuple(tile_of(bias, rows, cols).shape))
+            row_key = block.start if bias.shape[-2] != 1 else None
+            if bias.shape[-1] == 1:
+                _add(sums.bias, (row_key, None), dz)
+            else:
+                for c, piece in _grid_pieces(plan, a, z):
+                    _add(sums.bias, (row_key, c), dz[..., piece])
+
+
+def _item(
+    p: Problem, plan: BackwardPlan, b: BackwardOperands, blocks: tuple[BackwardBlock, ...]
+) -> _Sums:
+    """Gradient contributions of some query blocks of one batch slice ``b``."""
+    sums = _Sums()
+    for block in blocks:
+        if block.tiles:
+            _query_block(p, plan, b, block, sums)
+    return sums
+
+
+def _deal(plan: BackwardPlan, slices: list[Index]) -> list[tuple[Index, tuple[BackwardBlock, ...]]]:
+    """Work items: each batch slice's query blocks dealt round-robin into a few items.
+
+    Enough items to keep every thread busy, few enough that their partial sums of ``dK``
+    and ``dV`` stay few; round-robin gives causal items similar work.
+    """
+    per_slice = max(
+        1, min(len(plan.blocks), -(-ITEMS_PER_THREAD * get_num_threads() // len(slices)))
+    )
+    return [(index, plan.blocks[c::per_slice]) for index in slices for c in range(per_slice)]
+
+
+def _index_in(x: Array, index: Index) -> Index:
+    """The batch ``index`` as seen by ``x``, whose size-1 axes broadcast."""
+    return tuple(i if n != 1 else 0 for i, n in zip(index, x.shape, strict=False))
+
+
+def _sum_items(b: BackwardOperands, items: list[tuple[Index, Any]], results: list[_Sums]) -> _Sums:
+    """Add the items' sums, keyed by the batch index each gradient's array sees."""
+    total = _Sums()
+    ops = b.ops
+    for (index, _), r in zip(items, results, strict=True):
+        for start, dq in r.dq.items():
+            total.dq[index, start] = dq
+        k_index, v_index = _index_in(ops.k, index), _index_in(ops.v, index)
+        for c, dk in r.dk.items():
+            _add(total.dk, (k_index, c), dk)
+        for c, dv in r.dv.items():
+            _add(total.dv, (v_index, c), dv)
+        b_index = _index_in(ops.terms.bias, index) if ops.terms.bias is not None else ()
+        for (row_key, col_key), dz in r.bias.items():
+            _add(total.bias, (b_index, row_key, col_key), dz)
+    return total
+
+
+def _indices(shape: Iterable[int]) -> list[Index]:
+    return list(itertools.product(*(range(n) for n in shape)))
+
+
+@dataclass(frozen=True)
+class _Assembly:
+    """Puts the summed pieces back together; a missing piece (skipped tile) is zeros."""
+
+    p: Problem
+    plan: BackwardPlan
+    split: int
+
+    def concat(self, parts: list[Array], shapes: list[tuple[int, ...]], axis: int) -> Array:
+        p = self.p
+        filled = [
+            x if x is not None else p.xp.zeros(s, dtype=p.compute_dtype, device=p.device)
+            for x, s in zip(parts, shapes, strict=True)
+        ]
+        return concat(p.xp, filled, axis)
+
+    def stack(self, like: Array, build: Any) -> Array:
+        """``build(index, item_shape)`` for each outer index of ``like``, stacked."""
+        xp = self.p.xp
+        outer = tuple(like.shape[: self.split])
+        item_shape = tuple(like.shape[self.split :])
+        parts = [build(index, item_shape) for index in _indices(outer)]
+        if not outer:
+            return parts[0]
+        stacked = xp.stack(parts)
+        return xp.reshape(stacked, (*outer, *stacked.shape[1:]))
+
+    def _grid(self) -> list[tuple[int, int]]:
+        g, S = self.plan.grid, self.p.S
+        return [(c, min(c + g, S) - c) for c in range(0, S, g)]
+
+    def query(self, acc: dict[Any, Array], like: Array) -> Array:
+        """``dQ`` in the padded query layout of the full batch."""
+        blocks = self.plan.blocks
+        return self.stack(
+            like,
+            lambda index, shape: self.concat(
+                [acc.get((index, blk.start)) for blk in blocks],
+                [(*shape[:-2], blk.stop - blk.start, self.p.E) for blk in blocks],
+                axis=-2,
+            ),
+        )
+
+    def key_value(self, acc: dict[Any, Array], like: Array, features: int) -> Array:
+        """``dK`` or ``dV`` in ``like``'s padded shape (GQA: without the group axis)."""
+        lead = -3 if self.p.grouped else -2
+        grid = self._grid()
+        return self.stack(
+            like,
+            lambda index, shape: self.concat(
+                [acc.get((index, c)) for c, _ in grid],
+                [(*shape[:lead], n, features) for _, n in grid],
+                axis=-2,
+            ),
+        )
+
+    def bias(self, acc: dict[Any, Array], like: Array) -> Array:
+        """``dBias`` in the padded prepared bias's shape (broadcast axes kept at 1)."""
+        rows: list[tuple[int | None, int]] = [(None, 1)]
+        if like.shape[-2] != 1:
+            rows = [(b.start, b.stop - b.start) for b in self.plan.blocks]
+        cols: list[tuple[int | None, int]] = [(None, 1)]
+        if like.shape[-1] != 1:
+            cols = list(self._grid())
+        width = sum(n for _, n in cols)
+
+        def bias_rows(index: Index, lead: tuple[int, ...], r: int | None, n_rows: int) -> Array:
+            shapes = [(*lead, n_rows, n) for _, n in cols]
+            return self.concat([acc.get((index, r, c)) for c, _ in cols], shapes, axis=-1)
+
+        return self.stack(
+            like,
+            lambda index, shape: self.concat(
+                [bias_rows(index, shape[:-2], r, n) for r, n in rows],
+                [(*shape[:-2], n, width) for _, n in rows],
+                axis=-2,
+            ),
+        )
+
+
+def blocked_vjp(
+    p: Problem,
+    x: Inputs,
+    grad_output: Array,
+    *,
+    out: Array = None,
+    lse: Array = None,
+    grad_lse: Array = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> RawGrads:
+    """Gradients tile by tile; memory ``O(block_q * block_k)`` per batch element in flight.
+
+    Parameters
+    ----------
+    p : Problem
+        The validated call (``L``, ``S`` > 0).
+    x : Inputs
+        The caller's arrays.
+    grad_output : array
+        The output cotangent, with the output's shape.
+    out, lse : array, optional
+        The forward pass's output and log-sum-exp (both or neither). Without them, a plan
+        whose query blocks need several tiles runs the blocked forward pass first.
+    grad_lse : array, optional
+        Cotangent of the log-sum-exp ``(..., Hq, L)``.
+    block_q, block_k : int, optional
+        Block sizes (see :func:`~sdpa_array._kernels.tiling.plan_backward`).
+    """
+    ops = prepare(p, x)
+    plan = plan_backward(p, ops.restrictions, block_q, block_k)
+    if out is None and not plan.rows_fit_one_tile:
+        forward = blocked_attention(
+            p, x, return_weights=False, return_lse=True, block_q=block_q, block_k=block_k
+        )
+        out, lse = forward.out, forward.lse
+    b = prepare_backward(p, x, grad_output, ops=ops, out=out, lse=lse, grad_lse=grad_lse)
+
+    per_item = max(1, TILE_BYTES // p.itemsize // (plan.block_q * plan.width))
+    split, slices = batch_slices(p.kernel_batch, per_item)
+    if p.grouped and split == len(p.kernel_batch):
+        # keep the group axis inside an item: dK sums over it in one product
+        split = len(p.kernel_batch) - 1
+        slices = _indices(p.kernel_batch[:split])
+    items = _deal(plan, slices)
+    parts = {index: b.at(index) for index in slices}
+    results = map_blocks(p.xp, lambda item: _item(p, plan, parts[item[0]], item[1]), items)
+    sums = _sum_items(b, items, results)
+    del results
+
+    asm = _Assembly(p, plan, split)
+    return RawGrads(
+        dq=asm.query(sums.dq, b.d_out),
+        dk=asm.key_value(sums.dk, ops.k, p.E),
+        dv=asm.key_value(sums.dv, ops.v, p.Ev),
+        dbias=None if ops.terms.bias is None else asm.bias(sums.bias, ops.terms.bias),
+    )

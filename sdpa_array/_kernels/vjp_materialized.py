@@ -1,0 +1,49 @@
+"""The materialized backward kernel: one tile holding the whole ``(..., L, S)`` score matrix.
+
+The backward counterpart of :mod:`.materialized`: the probabilities are the softmax of the
+full score matrix (or ``exp(Z - lse)`` when the forward pass's log-sum-exp is at hand), and
+every product runs once over all queries and keys. Memory is ``O(L * S)`` per batch element;
+:mod:`.vjp_blocked` is the ``O(block)`` version.
+"""
+
+from __future__ import annotations
+
+from .._problem import Inputs, Problem
+from .._result import RawGrads
+from .._typing import Array
+from .gradients import prepare_backward, tile_gradients
+
+__all__ = ["materialized_vjp"]
+
+
+def materialized_vjp(
+    p: Problem,
+    x: Inputs,
+    grad_output: Array,
+    *,
+    out: Array = None,
+    lse: Array = None,
+    grad_lse: Array = None,
+) -> RawGrads:
+    """Gradients with the full score matrix; memory ``O(L * S)`` per batch element.
+
+    ``out`` and ``lse`` (the forward pass's, either both or neither) let the probabilities
+    come from the log-sum-exp; without them they are the softmax of the scores, and
+    ``D = rowsum(P * dP)``; ``grad_lse`` is a log-sum-exp cotangent ``(..., Hq, L)``.
+    """
+    b = prepare_backward(p, x, grad_output, out=out, lse=lse, grad_lse=grad_lse)
+    rows = slice(0, p.L)
+    q, d_out, lse_rows, delta = b.rows(p, rows)
+    t = tile_gradients(
+        p,
+        b.ops,
+        q,
+        d_out,
+        rows,
+        slice(0, p.S),
+        lse_rows=lse_rows,
+        delta_rows=delta,
+        grad_lse_rows=b.grad_lse,
+        need_dz=x.bias is not None,
+    )
+    return RawGrads(dq=t.dq, dk=t.dk, dv=t.dv, dbias=t.dz)

@@ -1,0 +1,24 @@
+"""Type names shared by the package.
+
+``Array`` stands for an array of any Array-API library (NumPy, CuPy, torch, JAX, Dask,
+array-api-strict): the standard defines a protocol, not a class, so static checkers see
+``Any``; the alias says in every signature what is meant.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeAlias
+
+__all__ = ["Alignment", "Array", "ImplementationName", "VJPImplementationName"]
+
+#: An array of any Array-API library.
+Array: TypeAlias = Any
+
+#: Where query ``i``'s diagonal sits when ``L != S``.
+Alignment: TypeAlias = Literal["top_left", "bottom_right"]
+
+#: The ``implementation=`` choices of the forward pass.
+ImplementationName: TypeAlias = Literal["auto", "materialized", "blocked", "native"]
+
+#: The ``implementation=`` choices of the VJP.
+VJPImplementationName: TypeAlias = Literal["auto", "materialized", "blocked"]

@@ -1,0 +1,36 @@
+"""Adjoints of the oracle's broadcasting and head repetition (for its gradients)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["sum_to_shape", "unrepeat_heads"]
+
+
+def sum_to_shape(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Adjoint of broadcasting: sum ``grad`` down to ``shape``.
+
+    Leading axes that ``shape`` lacks are summed away; axes where ``shape`` has size 1 but
+    ``grad`` does not are summed with ``keepdims``.
+    """
+    extra = grad.ndim - len(shape)
+    if extra < 0:
+        raise ValueError(f"cannot reduce gradient of shape {grad.shape} to {shape}")
+    if extra:
+        grad = grad.sum(axis=tuple(range(extra)))
+    axes = tuple(
+        ax for ax, (g, s) in enumerate(zip(grad.shape, shape, strict=True)) if s == 1 and g != 1
+    )
+    if axes:
+        grad = grad.sum(axis=axes, keepdims=True)
+    if grad.shape != tuple(shape):
+        raise ValueError(f"cannot reduce gradient of shape {grad.shape} to {shape}")
+    return grad
+
+
+def unrepeat_heads(grad: np.ndarray, group: int) -> np.ndarray:
+    """Adjoint of ``np.repeat(x, group, axis=-3)``: sum each group of ``group`` heads."""
+    if group == 1:
+        return grad
+    *batch, h, s, e = grad.shape
+    return grad.reshape(*batch, h // group, group, s, e).sum(axis=-3)

@@ -1,0 +1,122 @@
+"""The oracle's gradients, from the chain rule with the softmax Jacobian formed explicitly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._adjoints import sum_to_shape, unrepeat_heads
+from ._convert import as_float64
+from ._forward import forward_pass, validate_and_prepare
+
+__all__ = ["scaled_dot_product_attention_vjp"]
+
+
+def scaled_dot_product_attention_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    grad_output: Any,
+    /,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    is_causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    alignment: str = "top_left",
+    scale: float | None = None,
+    softcap: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[np.ndarray, ...]:
+    """Reference vector-Jacobian product of :func:`scaled_dot_product_attention`.
+
+    Parameters
+    ----------
+    query, key, value : array_like
+        As in :func:`scaled_dot_product_attention`.
+    grad_output : array_like
+        Cotangent ``dO`` of the output, same shape as the output ``(..., Hq, L, Ev)``.
+    mask, bias, is_causal, window, alignment, scale, softcap, enable_gqa
+        As in :func:`scaled_dot_product_attention`.
+
+    Returns
+    -------
+    grad_query : numpy.ndarray
+        float64, same shape as ``query``.
+    grad_key : numpy.ndarray
+        float64, same shape as ``key`` (summed over each group of query heads with GQA).
+    grad_value : numpy.ndarray
+        float64, same shape as ``value``.
+    grad_bias : numpy.ndarray
+        Only if ``bias`` is given: float64, same shape as ``bias`` (summed over the axes
+        along which ``bias`` was broadcast).
+
+    Notes
+    -----
+    With ``P = softmax(Z)`` row-wise:
+
+    * ``dV = Pᵀ dO`` and ``dP = dO Vᵀ``;
+    * for each query row, ``dZ_row = J dP_row`` with the softmax Jacobian
+      ``J = diag(p) - p pᵀ`` (formed explicitly, shape ``(..., L, S, S)``); excluded keys
+      and rows without an admissible key get zero;
+    * ``dBias = dZ``; through the softcap the scaled scores get
+      ``dZ * (1 - tanh²(raw / softcap))``;
+    * ``dQ = scale * dRaw K`` and ``dK = scale * dRawᵀ Q``.
+
+    Every gradient is then summed back to the shape of its own input (broadcast batch
+    axes, GQA head groups, broadcast bias axes).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> q, k, v = np.ones((1, 2)), np.ones((3, 2)), np.arange(3.0)[:, None]
+    >>> dq, dk, dv = scaled_dot_product_attention_vjp(q, k, v, np.ones((1, 1)))
+    >>> dv
+    array([[0.33333333],
+           [0.33333333],
+           [0.33333333]])
+    """
+    prep = validate_and_prepare(
+        query, key, value, mask, bias, window, alignment, scale, softcap, enable_gqa
+    )
+    fwd = forward_pass(prep, is_causal, window, alignment, softcap)
+    q, k_rep, v_rep = prep["q"], prep["k_rep"], prep["v_rep"]
+    P = fwd["weights"]  # (..., Hq, L, S)
+    S = P.shape[-1]
+
+    d_out = as_float64(grad_output)
+    if d_out.shape != fwd["out"].shape:
+        raise ValueError(
+            f"grad_output has shape {d_out.shape}, expected the output's {fwd['out'].shape}"
+        )
+
+    # out = P @ V
+    d_v_rep = np.matmul(np.swapaxes(P, -1, -2), d_out)  # (..., Hq, S, Ev)
+    d_P = np.matmul(d_out, np.swapaxes(v_rep, -1, -2))  # (..., Hq, L, S)
+
+    # Softmax Jacobian, one S x S matrix per query row: J[a, b] = p_a (delta_ab - p_b).
+    eye = np.eye(S)
+    J = P[..., :, None] * eye - P[..., :, None] * P[..., None, :]  # (..., Hq, L, S, S)
+    d_Z = np.einsum("...ab,...b->...a", J, d_P)
+    # Excluded keys have p = 0 so J already vanishes there; make it explicit (and exact).
+    d_Z = np.where(fwd["allowed"], d_Z, 0.0)
+
+    # Z = softcap(raw) + bias; softcap'(raw) = 1 - tanh²(raw / softcap).
+    d_raw = d_Z
+    if softcap is not None:
+        d_raw = d_Z * (1.0 - np.tanh(fwd["raw"] / softcap) ** 2)
+
+    # raw = scale * Q @ Kᵀ
+    scale_ = prep["scale"]
+    d_q = scale_ * np.matmul(d_raw, k_rep)  # (..., Hq, L, E)
+    d_k_rep = scale_ * np.matmul(np.swapaxes(d_raw, -1, -2), q)  # (..., Hq, S, E)
+
+    grads = [
+        sum_to_shape(d_q, prep["q"].shape),
+        sum_to_shape(unrepeat_heads(d_k_rep, prep["group"]), prep["k"].shape),
+        sum_to_shape(unrepeat_heads(d_v_rep, prep["group"]), prep["v"].shape),
+    ]
+    if prep["bias"] is not None:
+        grads.append(sum_to_shape(d_Z, prep["bias"].shape))
+    return tuple(grads)

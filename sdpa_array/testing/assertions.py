@@ -1,0 +1,175 @@
+"""Assertions that compare any library's attention results with the float64 oracle.
+
+The oracle (:mod:`sdpa_array.reference`) receives exactly the inputs the library received,
+converted to float64, so a comparison measures the library's arithmetic only; the bounds
+come from :mod:`sdpa_array.testing.bounds`, where they are derived.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import reference
+from .._compat import array_namespace, device
+from .._typing import Array
+from .bounds import (
+    UNIT_ROUNDOFF,
+    compute_dtype,
+    lse_bound,
+    output_bound,
+    score_error,
+    vjp_oracle_and_bounds,
+)
+
+__all__ = [
+    "assert_array_like",
+    "assert_close",
+    "assert_close_to_oracle",
+    "assert_vjp_close_to_oracle",
+    "assert_within",
+    "dtype_name",
+]
+
+
+def dtype_name(x: Array) -> str:
+    """The name of an array's floating dtype (``"float32"``, ``"bfloat16"``...)."""
+    name = str(x.dtype).rsplit(".", 1)[-1].strip("'>")
+    if name not in UNIT_ROUNDOFF:
+        raise TypeError(f"not a floating dtype the bounds know: {x.dtype}")
+    return name
+
+
+def assert_array_like(actual: Array, like: Array, *, shape: tuple[int, ...], dtype: Any) -> None:
+    """Check library, array type, shape, dtype and device of ``actual`` against ``like``."""
+    assert type(actual) is type(like), f"array type {type(actual)} != {type(like)}"
+    assert array_namespace({"a": actual}) is array_namespace({"b": like})
+    assert tuple(actual.shape) == tuple(shape), f"shape {tuple(actual.shape)} != {shape}"
+    assert actual.dtype == dtype, f"dtype {actual.dtype} != {dtype}"
+    assert device(actual) == device(like), f"device {device(actual)} != {device(like)}"
+
+
+def assert_close(actual: Array, expected: np.ndarray, bound: float, what: str = "out") -> None:
+    """Compare on the host: same shape, identical non-finite pattern, error within ``bound``."""
+    got = reference.to_numpy(actual).astype(np.float64)
+    assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
+    assert not np.isnan(got).any(), f"{what}: NaN in result"
+    np.testing.assert_array_equal(
+        np.isfinite(got), np.isfinite(expected), err_msg=f"{what}: non-finite pattern differs"
+    )
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(got[~finite], expected[~finite], err_msg=f"{what}: infinities")
+    err = float(np.max(np.abs(got[finite] - expected[finite]))) if finite.any() else 0.0
+    assert err <= bound, f"{what}: max error {err:.3e} exceeds the bound {bound:.3e}"
+
+
+def assert_within(actual: Array, expected: np.ndarray, bound: np.ndarray, what: str) -> None:
+    """Element-wise ``|actual - expected| <= bound`` on the host, with no NaN anywhere."""
+    got = reference.to_numpy(actual).astype(np.float64)
+    assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
+    assert not np.isnan(got).any(), f"{what}: NaN in result"
+    err = np.abs(got - expected)
+    bad = ~(err <= bound)
+    if bad.any():
+        worst = np.unravel_index(np.argmax(np.where(bad, err - bound, -np.inf)), got.shape)
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {got.size} entries exceed their bound; at {worst} "
+            f"got {got[worst]!r}, expected {expected[worst]!r}, bound {bound[worst]:.3e}"
+        )
+
+
+def _host(x: Array) -> np.ndarray:
+    return reference.to_numpy(x).astype(np.float64)
+
+
+def _host_or_none(x: Array | None) -> np.ndarray | None:
+    return None if x is None else _host(x)
+
+
+def assert_close_to_oracle(
+    result: Array | tuple[Array, ...],
+    query: Array,
+    key: Array,
+    value: Array,
+    /,
+    *,
+    mask: Array | None = None,
+    bias: Array | None = None,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    **options: Any,
+) -> None:
+    """Check a result of :func:`sdpa_array.scaled_dot_product_attention` in one call.
+
+    ``result`` is what the library returned for ``query``, ``key``, ``value`` (any library)
+    and the same keyword arguments. Each returned array must have the query's library,
+    array type and device, the promised shape and dtype (``lse`` in the compute dtype), and
+    be within the derived bound of :mod:`sdpa_array.testing.bounds` from the oracle's value
+    for the same inputs.
+
+    Raises
+    ------
+    AssertionError
+        Naming the output (``out``, ``weights``, ``lse``) and what differs.
+    """
+    parts = result if isinstance(result, tuple) else (result,)
+    assert len(parts) == 1 + return_weights + return_lse, f"{len(parts)} arrays returned"
+    dtype = dtype_name(query)
+    q64, k64, v64 = (_host(a) for a in (query, key, value))
+    bias64 = _host_or_none(bias)
+    mask_np = None if mask is None else reference.to_numpy(mask)
+    ref_out, ref_w, ref_lse = reference.scaled_dot_product_attention(
+        q64, k64, v64, mask=mask_np, bias=bias64, return_weights=True, return_lse=True, **options
+    )
+    xp = array_namespace({"query": query})
+    compute = query.dtype if compute_dtype(dtype) == dtype else xp.float32
+    scale = options.get("scale") or (1.0 / np.sqrt(q64.shape[-1]) if q64.shape[-1] else 1.0)
+    S = k64.shape[-2]
+    ds = score_error(dtype, q64, k64, scale, bias64, options.get("softcap"))
+    v_max = float(np.max(np.abs(v64))) if v64.size else 0.0
+    out_max = float(np.max(np.abs(ref_out))) if ref_out.size else 0.0
+    out = parts[0]
+    assert_array_like(out, query, shape=ref_out.shape, dtype=query.dtype)
+    assert_close(out, ref_out, output_bound(dtype, S=S, ds=ds, v_max=v_max, out_max=out_max))
+    if return_weights:
+        assert_array_like(parts[1], query, shape=ref_w.shape, dtype=query.dtype)
+        bound = output_bound(dtype, S=S, ds=ds, v_max=1.0, out_max=1.0)
+        assert_close(parts[1], ref_w, bound, "weights")
+    if return_lse:
+        finite = ref_lse[np.isfinite(ref_lse)]
+        lse_max = float(np.max(np.abs(finite))) if finite.size else 0.0
+        assert_array_like(parts[-1], query, shape=ref_lse.shape, dtype=compute)
+        assert_close(parts[-1], ref_lse, lse_bound(dtype, S=S, ds=ds, lse_max=lse_max), "lse")
+
+
+def assert_vjp_close_to_oracle(
+    grads: tuple[Array, ...],
+    query: Array,
+    key: Array,
+    value: Array,
+    grad_output: Array,
+    /,
+    *,
+    mask: Array | None = None,
+    bias: Array | None = None,
+    **options: Any,
+) -> None:
+    """Check gradients of attention (``(dq, dk, dv[, dbias])``) against the oracle's VJP.
+
+    Each gradient must have its input's library, array type, shape, dtype and device, and
+    every entry must be within the element-wise bound of
+    :func:`~sdpa_array.testing.bounds.vjp_oracle_and_bounds`.
+    """
+    dtype = dtype_name(query)
+    q64, k64, v64, g64 = (_host(a) for a in (query, key, value, grad_output))
+    mask_np = None if mask is None else reference.to_numpy(mask)
+    expected, bounds = vjp_oracle_and_bounds(
+        dtype, q64, k64, v64, g64, mask=mask_np, bias=_host_or_none(bias), **options
+    )
+    inputs = [query, key, value] + ([bias] if bias is not None else [])
+    assert len(grads) == len(inputs), f"{len(grads)} gradients for {len(inputs)} inputs"
+    names = ("dq", "dk", "dv", "dbias")
+    for name, g, x, e, b in zip(names, grads, inputs, expected, bounds, strict=False):
+        assert_array_like(g, x, shape=tuple(x.shape), dtype=x.dtype)
+        assert_within(g, e, b, name)

@@ -1,0 +1,139 @@
+"""The restriction interface: tile classification, tile masks and the plans built on them.
+
+Every claim is checked against the brute-force boolean grid of admissible pairs, written
+here from the definition (the oracle's index arithmetic): a tile is *empty* when no pair is
+admissible, *full* when every pair is, *partial* otherwise; a classification may be
+conservative (partial where the data would allow more) but never wrong.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy as np
+from hypothesis import given
+
+from sdpa_array._kernels.restrictions import Band, DenseMask, Restrictions, TileKind
+from sdpa_array._kernels.tiling import plan_backward, plan_blocks
+from sdpa_array._problem import validate
+from sdpa_array.reference import intermediates
+
+lengths = st.integers(1, 24)
+sides = st.one_of(st.none(), st.integers(0, 6))
+
+
+def _band(L, S, is_causal, left, right, bottom_right):
+    offset = S - L if bottom_right else 0
+    return Band(L=L, S=S, is_causal=is_causal, left=left, right=right, offset=offset)
+
+
+def _grid(L, S, is_causal, left, right, bottom_right):
+    """Admissible pairs by the oracle's own definition."""
+    q, k = np.zeros((L, 1)), np.zeros((S, 1))
+    window = None if left is None and right is None else (left, right)
+    alignment = "bottom_right" if bottom_right else "top_left"
+    return intermediates(q, k, k, is_causal=is_causal, window=window, alignment=alignment)[
+        "allowed"
+    ]
+
+
+def _kind(block: np.ndarray) -> TileKind:
+    if not block.any():
+        return TileKind.EMPTY
+    return TileKind.FULL if block.all() else TileKind.PARTIAL
+
+
+band_args = st.tuples(lengths, lengths, st.booleans(), sides, sides, st.booleans())
+tiles = st.tuples(st.integers(0, 23), st.integers(1, 8), st.integers(0, 23), st.integers(1, 8))
+
+
+@given(band_args, tiles)
+def test_band_classifies_exactly(args, tile):
+    """For the band (causal/window) the classification is exact, not only conservative."""
+    L, S = args[:2]
+    grid = _grid(*args)
+    r = Restrictions((_band(*args),), L, S)
+    q0, nq, k0, nk = tile
+    rows = slice(min(q0, L - 1), min(q0 + nq, L))
+    cols = slice(min(k0, S - 1), min(k0 + nk, S))
+    assert r.classify(rows, cols) is _kind(grid[rows, cols])
+    mask = r.tile_mask(np, "cpu", rows, cols)
+    if r.classify(rows, cols) is TileKind.FULL:
+        assert mask is None
+    else:
+        np.testing.assert_array_equal(
+            np.broadcast_to(mask, grid[rows, cols].shape), grid[rows, cols]
+        )
+
+
+@given(band_args, st.integers(1, 9))
+def test_key_range_and_full_range_bound_every_query(args, block):
+    L, S = args[:2]
+    grid = _grid(*args)
+    r = Restrictions((_band(*args),), L, S)
+    for q0 in range(0, L, block):
+        q1 = min(q0 + block, L)
+        lo, hi = r.key_range(q0, q1)
+        outside = np.ones(S, dtype=bool)
+        outside[lo:hi] = False
+        assert not grid[q0:q1, outside].any()  # nothing admissible outside the key range
+        f_lo, f_hi = r.full_range(q0, q1)
+        assert grid[q0:q1, f_lo:f_hi].all()  # everything admissible inside the full range
+
+
+@given(band_args, st.integers(1, 9), st.integers(1, 9), st.data())
+def test_forward_plan_covers_every_admissible_pair_once(args, bq, bk, data):
+    """With a dense mask beside the band: empty tiles are never planned, full ones need no
+    mask, and the planned tiles cover every admissible pair exactly once."""
+    L, S = args[:2]
+    dense = np.asarray(data.draw(st.lists(st.booleans(), min_size=L * S, max_size=L * S)))
+    dense = dense.reshape(L, S)
+    band_grid = _grid(*args)
+    r = Restrictions((_band(*args), DenseMask(dense, S)), L, S)
+    covered = np.zeros((L, S), dtype=int)
+    for block in plan_blocks(r, bq, bk):
+        rows = slice(block.start, block.stop)
+        for tile in block.tiles:
+            cols = slice(tile.start, tile.stop)
+            assert band_grid[rows, cols].any()  # the band does not empty a planned tile
+            assert tile.kind is TileKind.PARTIAL  # a dense mask is data: never full
+            covered[rows, cols] += 1
+    assert covered.max(initial=0) <= 1
+    assert (covered[band_grid] == 1).all()
+
+
+@given(band_args, st.sampled_from([None, 2, 3]), st.sampled_from([None, 2, 5]))
+def test_backward_plan_reaches_every_admissible_key(args, bq, bk):
+    L, S, is_causal, left, right, bottom_right = args
+    grid = _grid(*args)
+    q, k = np.zeros((L, 2)), np.zeros((S, 2))
+    p = validate(
+        q,
+        k,
+        k,
+        mask=None,
+        bias=None,
+        is_causal=is_causal,
+        window=None if left is None and right is None else (left, right),
+        alignment="bottom_right" if bottom_right else "top_left",
+        scale=None,
+        softcap=None,
+        enable_gqa=False,
+    )
+    r = Restrictions((p.band,) if p.band.restricts else (), L, S)
+    covered = np.zeros((L, S), dtype=int)
+    for block in plan_backward(p, r, bq, bk).blocks:
+        for a, b in block.tiles:
+            covered[block.start : block.stop, a:b] += 1
+    assert covered.max(initial=0) <= 1
+    assert (covered[grid] == 1).all()
+
+
+def test_dense_mask_is_partial_and_sliced_per_batch():
+    mask = np.array([[[True, False]], [[False, False]]])  # (2, 1, 2): broadcast rows
+    r = Restrictions((DenseMask(mask, 2),), 3, 2)
+    assert r.classify(slice(0, 3), slice(0, 2)) is TileKind.PARTIAL
+    assert not r.bounds_keys
+    np.testing.assert_array_equal(
+        r.at((1,)).tile_mask(np, "cpu", slice(1, 3), slice(0, 2)), mask[1]
+    )
+    assert Restrictions((), 3, 2).tile_mask(np, "cpu", slice(0, 3), slice(0, 2)) is None

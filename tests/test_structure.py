@@ -1,0 +1,93 @@
+"""The package's layout keeps its promises: no import circle, small modules, no reaching
+into another module's private names.
+
+These read the source with :mod:`ast`; they import nothing of the package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "sdpa_array"
+
+#: A module longer than this is split (the architecture's rule of thumb).
+MAX_LINES = 500
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str) -> list[tuple[str, list[str]]]:
+    """``(module, imported names)`` for each ``import``/``from`` of the package in ``name``."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [a.name for a in node.names]
+            if target in MODULES:
+                submodules = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+                found.extend((m, []) for m in submodules)
+                found.append((target, [n for n in names if f"{target}.{n}" not in MODULES]))
+        elif isinstance(node, ast.Import):
+            found.extend((a.name, []) for a in node.names if a.name in MODULES)
+    return found
+
+
+def test_no_import_circle():
+    graph = {name: {m for m, _ in _imports(name) if m != name} for name in MODULES}
+    # a package's own __init__ is imported on the way to its submodules: not an edge back
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if node.startswith(nxt + "."):
+                continue
+            if state.get(nxt) == 1:
+                cycle = [*stack[stack.index(nxt) :], nxt]
+                pytest.fail("import circle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for name in MODULES:
+        if name not in state:
+            visit(name)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_is_small(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{name} has {lines} lines (at most {MAX_LINES})"
+
+
+def test_no_private_names_across_modules():
+    """A module imports another's public names (or a private module's public names)."""
+    offences = [
+        f"{name} imports {target}.{n}"
+        for name in MODULES
+        for target, names in _imports(name)
+        for n in names
+        if n.startswith("_") and n != "__version__"
+    ]
+    assert not offences, "\n".join(offences)
