@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sdpa_array import _explain
-from sdpa_array.backends import BACKENDS
+from sdpa_array import lab
+from sdpa_array._cli import explain
+from sdpa_array.testing.backends import BACKENDS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -19,11 +20,11 @@ def test_explain_writes_one_figure_per_experiment(
 ) -> None:
     pytest.importorskip("matplotlib", reason="figures need matplotlib (the plot extra)")
     out = tmp_path / "figures"
-    assert _explain.main(["--out", str(out), "--backend", "numpy"]) == 0
+    assert explain.main(["--out", str(out), "--backend", "numpy"]) == 0
     printed = capsys.readouterr().out
     names = sorted(p.name for p in out.iterdir())
-    assert names == sorted(f"{e.name}.png" for e in _explain.EXPERIMENTS)
-    for exp in _explain.EXPERIMENTS:
+    assert names == sorted(f"{e.name}.png" for e in explain.EXPERIMENTS)
+    for exp in explain.EXPERIMENTS:
         png = out / f"{exp.name}.png"
         assert png.stat().st_size > 10_000
         assert png.read_bytes()[:8] == PNG_MAGIC
@@ -36,11 +37,11 @@ def test_explain_without_matplotlib(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
-    assert _explain.main(["--out", str(tmp_path / "figures")]) == 0
+    assert explain.main(["--out", str(tmp_path / "figures")]) == 0
     printed = capsys.readouterr().out
     assert "figures skipped" in printed
     assert not (tmp_path / "figures").exists()
-    for exp in _explain.EXPERIMENTS:
+    for exp in explain.EXPERIMENTS:
         assert exp.title in printed
 
 
@@ -48,24 +49,24 @@ def test_explain_unavailable_backend(tmp_path: Path, capsys: pytest.CaptureFixtu
     absent = [b for b in BACKENDS if not b.is_available()]
     if not absent:
         pytest.skip("every registered backend is available on this machine")
-    assert _explain.main(["--out", str(tmp_path), "--backend", absent[0].id]) == 2
+    assert explain.main(["--out", str(tmp_path), "--backend", absent[0].id]) == 2
     assert "not available" in capsys.readouterr().err
 
 
 def test_explain_rejects_unknown_backend(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as info:
-        _explain.main(["--out", str(tmp_path), "--backend", "nonesuch"])
+        explain.main(["--out", str(tmp_path), "--backend", "nonesuch"])
     assert info.value.code == 2
 
 
 def test_format_table_aligns_columns() -> None:
-    text = _explain.format_table(["name", "value"], [["a", 1.23456], ["long name", 12345]])
+    text = lab.format_table(["name", "value"], [["a", 1.23456], ["long name", 12345]])
     lines = text.splitlines()
     assert lines == ["name       value", "---------  -----", "a          1.235", "long name  12345"]
 
 
 def test_pattern_text_heads_side_by_side() -> None:
     w = np.array([[[1.0, 0.0], [0.5, 0.5]], [[0.0, 1.0], [1.0, 0.0]]])
-    assert _explain.pattern_text(w) == "■ ·   · ■\n■ ■   ■ ·\nheads by identical weights: 0, 1"
+    assert lab.pattern_text(w) == "■ ·   · ■\n■ ■   ■ ·\nheads by identical weights: 0, 1"
     same = np.stack([w[0], w[1], w[0]])
-    assert _explain.pattern_text(same).endswith("heads by identical weights: 0=2, 1")
+    assert lab.pattern_text(same).endswith("heads by identical weights: 0=2, 1")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sdpa_array import lab, reference
-from sdpa_array.backends import Backend
+from sdpa_array.testing.backends import Backend
 
 
 def _softmax_rows(s: np.ndarray) -> np.ndarray:

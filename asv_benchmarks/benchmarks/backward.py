@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sdpa_array import scaled_dot_product_attention_vjp
-from sdpa_array._bench import interleaved_times, make_inputs, peak_rss_growth
+from sdpa_array._cli.bench import interleaved_times, make_inputs, peak_rss_growth
 
 from .common import (
     BACKEND_IDS,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from typing import ClassVar
 
-from sdpa_array._bench import interleaved_times, peak_rss_growth
+from sdpa_array._cli.bench import interleaved_times, peak_rss_growth
 
 from .common import (
     BACKEND_IDS,

@@ -1,9 +1,12 @@
 """Inputs, candidates and profiles shared by the benchmarks.
 
-Backends come from the same registry as the tests (:mod:`sdpa_array.backends`); timing,
-flop counts and the peers (torch's native kernel on the same memory, the naive three steps,
-the two matrix products alone) come from :mod:`sdpa_array._bench`, which also backs
-``python -m sdpa_array bench``, so the suite and the command line measure alike.
+Backends come from the same registry as the tests (:mod:`sdpa_array.testing.backends`);
+timing, flop counts and the peers (torch's native kernel on the same memory, the naive three
+steps, the two matrix products alone) come from :mod:`sdpa_array._cli.bench`, which also
+backs ``python -m sdpa_array bench``, so the suite and the command line measure alike.
+Every ``setup`` gets its backend from :func:`backend_for`, which applies the backend's
+precision settings (:meth:`~sdpa_array.testing.backends.Backend.configure`) before any
+array is made.
 
 A parameter combination that cannot run here (library or device absent, dtype unsupported,
 a native kernel that does not apply, a peer that cannot share the backend's memory, a
@@ -28,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sdpa_array import scaled_dot_product_attention
-from sdpa_array._bench import (
+from sdpa_array import CannotDelegateError, scaled_dot_product_attention
+from sdpa_array._cli.bench import (
     attention_flops,
     interleaved_times,
     make_inputs,
@@ -37,8 +40,7 @@ from sdpa_array._bench import (
     torch_sdpa_peer,
     two_products,
 )
-from sdpa_array._native import CannotDelegateError
-from sdpa_array.backends import BACKENDS, Backend, get_backend
+from sdpa_array.testing.backends import BACKENDS, Backend, get_backend
 
 # Import the installed array libraries once here: asv's forkserver imports this module
 # before forking a process per benchmark, so no benchmark pays for the imports.
@@ -51,7 +53,8 @@ if PROFILE not in ("quick", "full"):
     raise ValueError(f"SDPA_BENCH_PROFILE must be 'quick' or 'full', got {PROFILE!r}")
 FULL = PROFILE == "full"
 
-BACKEND_IDS = [b.id for b in BACKENDS]
+#: Every registered backend but read-only NumPy, which times the same code as ``numpy``.
+BACKEND_IDS = [b.id for b in BACKENDS if b.id != "numpy:readonly"]
 DTYPES = ["float32", "float16"] if FULL else ["float32"]
 OURS = ["auto", "materialized", "blocked", "native"]
 PEERS = ["torch-sdpa", "naive"]
@@ -100,13 +103,19 @@ class Shape:
 
 
 def backend_for(backend_id: str, dtype: str) -> Backend:
-    """The registered backend, ready (precision pinned), or ``NotImplementedError``."""
+    """The registered backend, configured (precision pinned), or ``NotImplementedError``.
+
+    Calls :meth:`Backend.configure` (JAX float64 and highest matmul precision, torch without
+    TF32), which every benchmark's ``setup`` needs before it makes arrays: looking a backend
+    up or checking that it is available changes no setting.
+    """
     backend = get_backend(backend_id)
     if not backend.is_available():
         raise NotImplementedError(f"{backend_id} is not installed or has no device here")
     if dtype not in backend.dtypes:
         raise NotImplementedError(f"{backend_id} has no {dtype}")
-    backend.namespace()  # pins matmul precision: no TF32
+    backend.configure()  # JAX float64, highest matmul precision, no TF32
+    backend.namespace()  # imports the library
     if os.environ.get("SDPA_BENCH_ALLOW_TF32") == "1" and backend.library == "torch":
         import torch
 

@@ -1,12 +1,14 @@
 """Pages generated from the code at build time, so that the docs cannot disagree with it.
 
 * ``generated/snippets/backend_table.md``: the backend support table, one row per entry of
-  :data:`sdpa_array.backends.BACKENDS`.
+  :data:`sdpa_array.testing.backends.BACKENDS`.
 * ``generated/snippets/attention_patterns.md``: which keys each query attends under
   ``is_causal``, both alignments, windows, a padding mask and GQA, computed by
   :func:`sdpa_array.lab.attention_patterns` with the library itself.
 * ``generated/snippets/implementations.md``: one row per entry of the implementation
-  table ``sdpa_array._api.IMPLEMENTATIONS``, described by its function's docstring.
+  table ``sdpa_array._dispatch.IMPLEMENTATIONS`` (the one private name the docs read),
+  described by the docstring of the row's forward kernel and by what the row declares
+  (block sizes, a backward kernel for the VJP).
 * ``implementations``: the line ``% performance.md`` is replaced by an include of
   ``docs/performance.md`` when that file exists, and by a sentence saying it is missing when
   it does not.
@@ -25,7 +27,7 @@ PERFORMANCE_MARKER = "% performance.md"
 
 def backend_table() -> str:
     """The support table of the backend registry, as a MyST pipe table."""
-    from sdpa_array.backends import BACKENDS
+    from sdpa_array.testing.backends import BACKENDS
 
     head = "| id | array library | device | dtypes | install | nox session |"
     rows = [head, "| --- | --- | --- | --- | --- | --- |"]
@@ -40,27 +42,31 @@ def backend_table() -> str:
 
 
 def implementations_table() -> str:
-    """The ``implementation=`` choices, each with the first line of its docstring."""
-    from sdpa_array._api import IMPLEMENTATIONS
+    """The ``implementation=`` choices: each row's forward-kernel summary and what it takes."""
+    from sdpa_array._dispatch import IMPLEMENTATIONS
 
-    rows = ["| `implementation=` | what it does |", "| --- | --- |"]
-    rows.append('| `"auto"` (default) | chooses one of the implementations below for the inputs |')
-    for name, function in IMPLEMENTATIONS.items():
-        summary = (inspect.getdoc(function) or "").split("\n")[0]
-        rows.append(f'| `"{name}"` | {summary} |')
+    rows = [
+        "| `implementation=` | what it does | `block_q`, `block_k` | in the VJP |",
+        "| --- | --- | --- | --- |",
+        '| `"auto"` (default) | chooses one of the implementations below for the inputs '
+        "| if given, `blocked` runs | chooses among those with a backward kernel |",
+    ]
+    for name, row in IMPLEMENTATIONS.items():
+        summary = (inspect.getdoc(row.forward) or "").split("\n")[0]
+        blocks = "yes" if row.takes_blocks else "no"
+        vjp = "its own backward kernel" if row.backward is not None else "not available"
+        rows.append(f'| `"{name}"` | {summary} | {blocks} | {vjp} |')
     return "\n".join(rows) + "\n"
 
 
 def attention_patterns() -> str:
     """One code block per panel of :func:`sdpa_array.lab.attention_patterns`."""
     from sdpa_array import lab
-    from sdpa_array._explain import pattern_text
 
     parts = []
     for panel in lab.attention_patterns():
-        parts.append(
-            f"**{panel.title}**: `{panel.call}`\n\n```text\n{pattern_text(panel.weights)}\n```\n"
-        )
+        picture = lab.pattern_text(panel.weights)
+        parts.append(f"**{panel.title}**: `{panel.call}`\n\n```text\n{picture}\n```\n")
     return "\n".join(parts)
 
 

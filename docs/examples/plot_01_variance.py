@@ -20,13 +20,12 @@ its interval now and then is expected).
 import matplotlib.pyplot as plt
 
 from sdpa_array import lab
-from sdpa_array._explain import draw_variance, table_variance
 
-BACKEND = "numpy"  # any id of sdpa_array.backends.BACKENDS
+BACKEND = "numpy"  # any id of sdpa_array.testing.backends.BACKENDS
 
 result = lab.dot_product_variance(backend=BACKEND)
-print(table_variance(result))
+print(lab.table_variance(result))
 
 # %%
 fig = plt.figure(layout="constrained")
-draw_variance(result, fig)
+lab.draw_variance(result, fig)

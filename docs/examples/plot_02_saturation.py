@@ -25,13 +25,12 @@ more careful story than the notes:
 import matplotlib.pyplot as plt
 
 from sdpa_array import lab
-from sdpa_array._explain import draw_saturation, table_saturation
 
-BACKEND = "numpy"  # any id of sdpa_array.backends.BACKENDS
+BACKEND = "numpy"  # any id of sdpa_array.testing.backends.BACKENDS
 
 result = lab.softmax_saturation(backend=BACKEND)
-print(table_saturation(result))
+print(lab.table_saturation(result))
 
 # %%
 fig = plt.figure(layout="constrained")
-draw_saturation(result, fig)
+lab.draw_saturation(result, fig)

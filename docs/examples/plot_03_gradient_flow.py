@@ -28,13 +28,12 @@ step.
 import matplotlib.pyplot as plt
 
 from sdpa_array import lab
-from sdpa_array._explain import draw_gradient_flow, table_gradient_flow
 
-BACKEND = "numpy"  # any id of sdpa_array.backends.BACKENDS
+BACKEND = "numpy"  # any id of sdpa_array.testing.backends.BACKENDS
 
 result = lab.gradient_flow(backend=BACKEND)
-print(table_gradient_flow(result))
+print(lab.table_gradient_flow(result))
 
 # %%
 fig = plt.figure(layout="constrained")
-draw_gradient_flow(result, fig)
+lab.draw_gradient_flow(result, fig)

@@ -26,12 +26,11 @@ the measured time ratio with the flop ratio.
 import matplotlib.pyplot as plt
 
 from sdpa_array import lab
-from sdpa_array._explain import draw_cost, table_cost
 
-BACKEND = "numpy"  # any id of sdpa_array.backends.BACKENDS
+BACKEND = "numpy"  # any id of sdpa_array.testing.backends.BACKENDS
 
 result = lab.attention_cost(backend=BACKEND)
-print(table_cost(result))
+print(lab.table_cost(result))
 
 # %%
 # The flop counts, term by term, for one configuration:
@@ -40,4 +39,4 @@ for name, count in lab.additive_attention_flops(128, 128, 64, 64, 64, 64).terms:
 
 # %%
 fig = plt.figure(layout="constrained")
-draw_cost(result, fig)
+lab.draw_cost(result, fig)

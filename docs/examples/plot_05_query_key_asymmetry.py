@@ -21,13 +21,12 @@ self-attention problem of 8 positions.
 import matplotlib.pyplot as plt
 
 from sdpa_array import lab
-from sdpa_array._explain import draw_asymmetry, table_asymmetry
 
-BACKEND = "numpy"  # any id of sdpa_array.backends.BACKENDS
+BACKEND = "numpy"  # any id of sdpa_array.testing.backends.BACKENDS
 
 result = lab.query_key_asymmetry(backend=BACKEND)
-print(table_asymmetry(result))
+print(lab.table_asymmetry(result))
 
 # %%
 fig = plt.figure(layout="constrained")
-draw_asymmetry(result, fig)
+lab.draw_asymmetry(result, fig)

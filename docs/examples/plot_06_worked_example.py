@@ -19,13 +19,12 @@ and the second output row is ``[0.99995, 0.9999999975, 2.5e-9]``, which rounds t
 import matplotlib.pyplot as plt
 
 from sdpa_array import lab
-from sdpa_array._explain import draw_worked_example, table_worked_example
 
-BACKEND = "numpy"  # any id of sdpa_array.backends.BACKENDS
+BACKEND = "numpy"  # any id of sdpa_array.testing.backends.BACKENDS
 
 result = lab.worked_example(backend=BACKEND)
-print(table_worked_example(result))
+print(lab.table_worked_example(result))
 
 # %%
 fig = plt.figure(layout="constrained")
-draw_worked_example(result, fig)
+lab.draw_worked_example(result, fig)

@@ -21,13 +21,12 @@ One random problem, passed to :func:`sdpa_array.scaled_dot_product_attention` wi
 import matplotlib.pyplot as plt
 
 from sdpa_array import lab
-from sdpa_array._explain import draw_patterns, table_patterns
 
-BACKEND = "numpy"  # any id of sdpa_array.backends.BACKENDS
+BACKEND = "numpy"  # any id of sdpa_array.testing.backends.BACKENDS
 
 panels = lab.attention_patterns(backend=BACKEND)
-print(table_patterns(panels))
+print(lab.table_patterns(panels))
 
 # %%
 fig = plt.figure(layout="constrained")
-draw_patterns(panels, fig)
+lab.draw_patterns(panels, fig)

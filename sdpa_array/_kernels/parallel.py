@@ -6,12 +6,9 @@ releases the GIL inside its loops, so a small thread pool runs the element-wise 
 several blocks at once. While the pool runs, BLAS is limited to one thread per call (with
 `threadpoolctl <https://github.com/joblib/threadpoolctl>`_): each of our threads then does
 its own products, instead of every product starting BLAS's threads on cores that are
-already busy. Measured on 2 cores, B=1, H=8, L=S=4096, E=64, float32: blocks one after the
-other with 2 BLAS threads take 0.22 s on a quiet machine and several seconds when another
-process holds a core (a multi-threaded BLAS spins waiting for the busy core); 2 threads
-with 1 BLAS thread each take 0.20 s quiet and 0.4 s with the core held. Without the BLAS
-limit, our threads and BLAS's oversubscribe the cores (measured: 1 to 9 s), so without
-``threadpoolctl`` the default is to run blocks one after the other.
+already busy. Without the BLAS limit our threads and BLAS's oversubscribe the cores, so
+without ``threadpoolctl`` the default is to run blocks one after the other
+(docs/performance.md has the measurements).
 
 Other libraries parallelise (torch, JAX on CPU), defer (Dask) or queue on a device (CuPy,
 CUDA) by themselves, so for them blocks always run one after the other here.

@@ -24,6 +24,7 @@ def configured(backend: Backend | str) -> Backend:
 
 
 def namespace_of(**arrays: Any) -> Any:
+    """The Array-API namespace the named arrays share (names appear in its errors)."""
     return array_namespace(arrays)
 
 

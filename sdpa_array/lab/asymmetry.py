@@ -9,7 +9,7 @@ import numpy as np
 
 from ..testing.backends import Backend
 from ._plumbing import configured, host, namespace_of, normal
-from .backward import _score_gradient, attention_vjp
+from .backward import attention_vjp, score_gradient
 from .softmax_and_jacobian import softmax
 
 __all__ = ["QueryKeyAsymmetry", "query_key_asymmetry"]
@@ -116,7 +116,7 @@ def query_key_asymmetry(
         scores=host(scores),
         weights=host(weights),
         swapped_weights=host(softmax(xp.matrix_transpose(scores))),
-        grad_scores=host(_score_gradient(weights, grad_output, value)),
+        grad_scores=host(score_gradient(weights, grad_output, value)),
         grad_query=host(grad_query),
         grad_key=host(grad_key),
     )

@@ -9,10 +9,10 @@ from .._api import scaled_dot_product_attention_vjp
 from ._plumbing import namespace_of
 from .softmax_and_jacobian import softmax
 
-__all__ = ["attention_vjp", "attention_vjp_from_derivation"]
+__all__ = ["attention_vjp", "attention_vjp_from_derivation", "score_gradient"]
 
 
-def _score_gradient(p: Any, grad_output: Any, value: Any) -> Any:
+def score_gradient(p: Any, grad_output: Any, value: Any) -> Any:
     """``dS = P ∘ (dP - rowsum(dP ∘ P))`` with ``dP = dO Vᵀ``: the cotangent of the scores."""
     xp = namespace_of(p=p, grad_output=grad_output, value=value)
     dp = xp.matmul(grad_output, xp.matrix_transpose(value))
@@ -57,7 +57,7 @@ def attention_vjp_from_derivation(
     xp = namespace_of(query=query, key=key, value=value, grad_output=grad_output)
     s = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     p = softmax(xp.matmul(query, xp.matrix_transpose(key)) * s)
-    ds = _score_gradient(p, grad_output, value)
+    ds = score_gradient(p, grad_output, value)
     grad_query = xp.matmul(ds, key) * s
     grad_key = xp.matmul(xp.matrix_transpose(ds), query) * s
     grad_value = xp.matmul(xp.matrix_transpose(p), grad_output)

@@ -41,6 +41,7 @@ VARIANCES: tuple[float, ...] = (1.0, 10.0, 20.0, 30.0, 50.0, 100.0)
 
 
 def _frobenius(x: Any, xp: Any) -> Any:
+    """Frobenius norm over the last two axes."""
     return xp.sqrt(xp.sum(x * x, axis=(-2, -1)))
 
 
