@@ -3,12 +3,16 @@
 Build with ``sphinx-build -W --keep-going -b html docs docs/_build/html`` (the nox session
 ``docs``), with the package installed with its ``docs``, ``plot`` and ``test`` extras.
 
+The built site needs no network: MathJax is served from ``_static/mathjax/`` (copied from the
+``sphinx-mathjax-offline`` package of the ``docs`` extra), not from a CDN, and sphinx-gallery
+does not write its computation-times pages, which load jQuery and DataTables from CDNs.
 Intersphinx links to NumPy, PyTorch and the Array API standard need the network at build
 time, which CI does not have; they are switched on only when ``SDPA_DOCS_INTERSPHINX=1``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -42,6 +46,7 @@ exclude_patterns = [
     "examples",  # sphinx-gallery's sources; auto_examples/ holds the pages
     "performance.md",  # included into implementations.md by sdpa_docs
     "sg_execution_times.rst",
+    "auto_examples/sg_execution_times.rst",  # left over by older builds (see below)
 ]
 templates_path = ["_templates"]
 
@@ -52,6 +57,28 @@ autodoc_member_order = "bysource"
 numpydoc_show_class_members = False
 numpydoc_class_members_toctree = False
 numpydoc_xref_param_type = False
+
+# -- maths: MathJax 3, bundled ------------------------------------------------------------
+
+
+def _mathjax_offline_static() -> Path:
+    """The ``static`` folder of ``sphinx-mathjax-offline``, which holds ``mathjax/``.
+
+    The package is used for its files only: listed as an extension, it would copy them itself
+    but, not declaring itself parallel-safe, would make ``sphinx-build -j N -W`` fail.
+    """
+    spec = importlib.util.find_spec("sphinx-mathjax-offline")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "the docs need the sphinx-mathjax-offline package: pip install -e '.[docs]'"
+        )
+    static = Path(spec.origin).parent / "static"
+    if not (static / "mathjax" / "tex-chtml.js").is_file():
+        raise RuntimeError(f"sphinx-mathjax-offline: no mathjax/tex-chtml.js under {static}")
+    return static
+
+
+mathjax_path = "mathjax/tex-chtml.js"  # relative to _static/
 
 # -- MyST ----------------------------------------------------------------------------------
 myst_enable_extensions = ["dollarmath", "colon_fence"]
@@ -78,6 +105,8 @@ sphinx_gallery_conf = {
     "remove_config_comments": True,
     "min_reported_time": 1,
     "image_scrapers": ("matplotlib",),
+    # The sg_execution_times pages load jQuery, Bootstrap and DataTables from CDNs.
+    "write_computation_times": False,
 }
 
 # -- HTML ----------------------------------------------------------------------------------
@@ -87,5 +116,16 @@ html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
     "secondary_sidebar_items": ["page-toc"],
+    # One header row at 1280 px: the first five pages, then "More"; links start next to the
+    # title, and search is an icon (Ctrl+K) rather than a wide field that wrapped below.
+    "header_links_before_dropdown": 5,
+    "navbar_align": "left",
+    "navbar_persistent": ["search-button"],
 }
-html_static_path: list[str] = []
+# Pages with no subpages would show an empty "Section Navigation" column: drop it there.
+html_sidebars = {
+    page: [] for page in ("getting-started", "semantics", "backends", "implementations", "theory")
+}
+html_static_path = ["_static", str(_mathjax_offline_static())]
+html_css_files = ["sdpa.css"]  # wide tables, long names and signatures: see the file
+html_js_files = [("sdpa.js", {"defer": "defer"})]  # break long dotted names after "." / "_"

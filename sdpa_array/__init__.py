@@ -21,6 +21,8 @@ __all__ = [
     "set_num_threads",
 ]
 
+CannotDelegateError.__module__ = __name__  # shown as sdpa_array.CannotDelegateError
+
 try:
     __version__ = version("sdpa_array")
 except PackageNotFoundError:  # running from a source tree that was never installed

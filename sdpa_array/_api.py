@@ -234,9 +234,9 @@ def scaled_dot_product_attention(
     >>> q = np.array([[1.0, 2.0], [3.0, 4.0]])
     >>> k = np.array([[5.0, 6.0], [7.0, 8.0], [9.0, 10.0]])
     >>> v = np.array([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
-    >>> scaled_dot_product_attention(q, k, v).round(4)
-    array([[0.9858, 0.9998, 0.0002],
-           [1.    , 1.    , 0.    ]])
+    >>> scaled_dot_product_attention(q, k, v).round(3)
+    array([[0.986, 1.   , 0.   ],
+           [1.   , 1.   , 0.   ]])
     """
     p = validate(
         query,

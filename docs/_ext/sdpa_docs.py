@@ -9,6 +9,14 @@
   table ``sdpa_array._dispatch.IMPLEMENTATIONS`` (the one private name the docs read),
   described by the docstring of the row's forward kernel and by what the row declares
   (block sizes, a backward kernel for the VJP).
+* ``objects.inv`` and cross-references know the public names only: a class that the package
+  re-exports from a private module (``sdpa_array.CannotDelegateError``, defined in
+  ``sdpa_array._kernels.native``) is not also registered under its private path, which
+  autodoc adds as its "canonical" name.
+* autosummary tables keep ordinary spaces in their signatures, ``name(query, key, ...)``:
+  autosummary's HTML writer makes them non-breaking, which kept the first column on one line
+  and pushed the summaries out of the page's column (``docs/_static/sdpa.css`` lays the
+  tables out).
 * ``implementations``: the line ``% performance.md`` is replaced by an include of
   ``docs/performance.md`` when that file exists, and by a sentence saying it is missing when
   it does not.
@@ -21,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from sphinx.application import Sphinx
+from sphinx.environment import BuildEnvironment
+from sphinx.ext.autosummary import autosummary_noop, autosummary_table
 
 PERFORMANCE_MARKER = "% performance.md"
 
@@ -93,7 +103,27 @@ def _include_performance(app: Sphinx, docname: str, source: list[str]) -> None:
     source[0] = source[0].replace(PERFORMANCE_MARKER, block)
 
 
+def _visit_autosummary_table(translator: Any, node: Any) -> None:
+    """Write the table as it is (autosummary's own visitor makes its spaces non-breaking)."""
+
+
+def _is_private(name: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in name.split("."))
+
+
+def _drop_private_aliases(app: Sphinx, env: BuildEnvironment) -> list[str]:
+    """Forget the private-path aliases (``:canonical:``) of documented public objects."""
+    objects = env.get_domain("py").objects  # type: ignore[attr-defined]
+    for name in [n for n, entry in objects.items() if entry.aliased and _is_private(n)]:
+        del objects[name]
+    return []
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     app.connect("builder-inited", _write_snippets)
     app.connect("source-read", _include_performance)
+    app.connect("env-updated", _drop_private_aliases)
+    app.add_node(
+        autosummary_table, override=True, html=(_visit_autosummary_table, autosummary_noop)
+    )
     return {"parallel_read_safe": True, "parallel_write_safe": True}

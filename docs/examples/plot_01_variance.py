@@ -2,7 +2,7 @@
 Var(q·k) = d_k, and 1 after dividing by sqrt(d_k)
 =================================================
 
-Design note 000 (§2.3): if the components of ``q`` and ``k`` are independent with mean 0 and
+:ref:`theory-scaling`: if the components of ``q`` and ``k`` are independent with mean 0 and
 variance 1, then ``q·k = Σ_l q_l k_l`` has mean 0 and variance ``d_k``, so the logits of
 unscaled attention spread like ``sqrt(d_k)``; dividing by ``sqrt(d_k)`` brings the variance
 back to 1 for every width.

@@ -2,15 +2,16 @@
 Softmax saturation and its vanishing Jacobian
 =============================================
 
-Design notes 000 (§2.6–2.7) and 003: large logits push softmax towards a one-hot vector,
-where its Jacobian ``∂p_j/∂z_k = p_j (δ_jk - p_k)``, i.e. ``diag(p) - p pᵀ``, is nearly zero,
+:ref:`theory-softmax`: large logits push softmax towards a one-hot vector, where its
+Jacobian ``∂p_j/∂z_k = p_j (δ_jk - p_k)``, i.e. ``diag(p) - p pᵀ``, is nearly zero,
 so almost no gradient passes back through it.
 
 :func:`sdpa_array.lab.softmax_saturation` takes 256 rows of 64 standard normal logits and
-rescales each to variance 1, 10, 20, 30, 50 and 100 (the variances of note 003). Because only
-the scale changes, the largest probability grows and the entropy falls monotonically, row by
-row. The Frobenius norm of the Jacobian, computed from the formed ``64 × 64`` matrix, tells a
-more careful story than the notes:
+rescales each to variance 1, 10, 20, 30, 50 and 100 (the variances of unscaled logits for
+``d_k`` from 1 to 100, see :ref:`theory-scaling`). Because only the scale changes, the largest
+probability grows and the entropy falls monotonically, row by row. The Frobenius norm of the
+Jacobian, computed from the formed ``64 × 64`` matrix, tells a more careful story than
+"saturation makes the gradient vanish":
 
 * it is bounded by ``2 (1 - Σ p_j²) <= 4 (1 - max p)``, so it does go to 0 as the
   distribution becomes one-hot: the right-hand panel shows it falling in proportion to

@@ -2,7 +2,7 @@
 The gradient reaching Q, for scales 1, 1/sqrt(d_k) and 1/d_k
 =============================================================
 
-Design note 003's argument, end to end: the gradient of a loss with respect to the queries
+:ref:`theory-backward`, end to end: the gradient of a loss with respect to the queries
 passes through the softmax, ``dQ = scale · dS K`` with ``dS = P ∘ (dP - rowsum(dP ∘ P))``.
 :func:`sdpa_array.lab.gradient_flow` draws standard normal ``Q``, ``K`` (64 queries, 64 keys,
 width ``d_k``), ``V`` and an upstream gradient ``dO``, and measures the norm of every row of

@@ -2,9 +2,9 @@
 Dot-product versus additive attention
 =====================================
 
-Design note 000 (§3) compares dot-product attention, ``O(n² d)``, with additive (Bahdanau)
-attention, ``score(q_i, k_j) = v_aᵀ tanh(W q_i + U k_j)``, quoted as ``O(n² d²)`` because
-"each of the ``n²`` pairs computes ``W q_i`` and ``U k_j``".
+:ref:`theory-cost` compares dot-product attention, ``O(n² d)``, with additive (Bahdanau)
+attention, ``score(q_i, k_j) = v_aᵀ tanh(W q_i + U k_j)``, often quoted as ``O(n² d²)``
+because each of the ``n²`` pairs would compute ``W q_i`` and ``U k_j``.
 
 That count is avoidable. ``W q_i`` depends on the query only and ``U k_j`` on the key only:
 computing them once for all queries and all keys costs ``O(n d²)``

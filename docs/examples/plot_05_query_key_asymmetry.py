@@ -2,7 +2,7 @@
 Q and K are not interchangeable
 ===============================
 
-Design note 000 (§4.1): ``Q`` and ``K`` enter ``S = Q Kᵀ`` symmetrically, yet exchanging them
+:ref:`theory-asymmetry`: ``Q`` and ``K`` enter ``S = Q Kᵀ`` symmetrically, yet exchanging them
 changes attention, because the softmax normalizes **rows**: ``softmax(S)`` says how each query
 distributes its attention over the keys (rows sum to 1), while ``softmax(Sᵀ)`` says how the
 attention arriving at each key splits over the queries. The totals a key receives (column

@@ -1,9 +1,11 @@
 """
-The worked example of design note 001
-=====================================
+A worked example, and its hand-computed figures
+===============================================
 
-Note 001 works through ``d_k = 2``, ``Q = [[1, 2], [3, 4]]``, ``K = [[5, 6], [7, 8], [9, 10]]``,
-``V = [[1, 0, 1], [0, 1, 0], [1, 1, 0]]`` by hand and publishes rounded figures.
+:ref:`theory-worked-example` works through ``d_k = 2``, ``Q = [[1, 2], [3, 4]]``,
+``K = [[5, 6], [7, 8], [9, 10]]``, ``V = [[1, 0, 1], [0, 1, 0], [1, 1, 0]]``. A hand
+computation of the same example, from which this project started, published rounded figures
+(kept as ``sdpa_array.lab.PUBLISHED``).
 :func:`sdpa_array.lab.worked_example` recomputes every intermediate with
 :func:`sdpa_array.scaled_dot_product_attention` and checks each published figure against the
 exact value: a figure is consistent if it is within half a unit of its last printed digit.

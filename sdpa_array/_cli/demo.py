@@ -22,7 +22,7 @@ WORKED_V = [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0]]
 
 
 def _cases(rng: np.random.Generator) -> list[tuple[str, dict[str, Any]]]:
-    """The worked example from the design notes and a random batched, masked case."""
+    """The worked example of the Theory page and a random batched, masked case."""
     B, H, L, S, E = 2, 4, 48, 64, 32
     padding = np.ones((B, 1, 1, S), dtype=bool)
     padding[1, ..., 50:] = False  # the second sequence is 50 keys long

@@ -87,7 +87,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     ),
     Experiment(
         "worked_example",
-        "6. The worked example of design note 001",
+        "6. The worked example",
         lambda b: lab.worked_example(backend=b),
         lab.table_worked_example,
         lab.draw_worked_example,
@@ -115,8 +115,9 @@ def _save(exp: Experiment, result: Any, path: Path) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sdpa_array explain",
-        description="Run the experiments of sdpa_array.lab (the design notes' claims about "
-        "attention) on one backend, print their tables and save one PNG figure per experiment.",
+        description="Run the experiments of sdpa_array.lab (the claims about attention "
+        "derived on the documentation's Theory page) on one backend, print their tables and "
+        "save one PNG figure per experiment.",
     )
     parser.add_argument("--out", required=True, type=Path, help="directory for the PNG figures")
     parser.add_argument(

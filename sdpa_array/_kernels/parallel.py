@@ -87,7 +87,10 @@ def _has_threadpoolctl() -> bool:
 
 
 def get_num_threads() -> int:
-    """Threads the NumPy blocked path uses now (see the module docstring for the order).
+    """Threads the NumPy blocked path uses now.
+
+    :func:`set_num_threads`'s value if set, else ``SDPA_ARRAY_NUM_THREADS``, else the usable
+    CPUs (at most 4) when threadpoolctl is installed, else 1.
 
     Raises
     ------

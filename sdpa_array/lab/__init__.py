@@ -1,4 +1,4 @@
-"""The design notes' claims about attention, as experiments that run on any backend.
+"""Claims about attention (derived on the docs' Theory page), as experiments on any backend.
 
 Each experiment is an Array-API function: it draws its random inputs with NumPy
 (``np.random.default_rng(seed)``; the Array API has no random numbers), moves them to the
@@ -20,7 +20,7 @@ experiment                                claim checked
 :func:`attention_cost`                    how much of the quoted ``O(n² d²)`` is avoidable
 :func:`query_key_asymmetry`               ``softmax(S) != softmax(Sᵀ)ᵀ`` and
                                           ``dL/dQ = dS K`` differs from ``dL/dK = dSᵀ Q``
-:func:`worked_example`                    the notes' numerical example, exactly, and which
+:func:`worked_example`                    the Theory page's worked example, exactly, and which
                                           published rounded figures are wrong
 :func:`attention_patterns`                what ``is_causal``, ``alignment``, ``window``,
                                           GQA and a padding mask do to the weights

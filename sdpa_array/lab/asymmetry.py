@@ -93,7 +93,7 @@ def query_key_asymmetry(
 
     Notes
     -----
-    Design note 000, §4.1: the softmax normalizes over keys, so ``softmax(S)`` has unit row
+    :ref:`theory-asymmetry`: the softmax normalizes over keys, so ``softmax(S)`` has unit row
     sums but arbitrary column sums, and exchanging ``Q`` and ``K`` normalizes over queries
     instead. In the backward pass the rows of ``dS`` sum to 0 (the Jacobian
     ``diag(p) - p pᵀ`` annihilates constants), so ``dL/dQ_i = scale · Σ_j dS_ij k_j`` is a

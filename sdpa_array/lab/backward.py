@@ -51,7 +51,7 @@ def attention_vjp_from_derivation(
     With ``P = softmax(scale · Q Kᵀ)`` row-wise: ``dV = Pᵀ dO``, ``dP = dO Vᵀ``; the softmax
     Jacobian ``diag(p) - p pᵀ`` applied to each row of ``dP`` gives
     ``dS = P ∘ (dP - rowsum(dP ∘ P))``; and ``S = scale · Q Kᵀ`` gives ``dQ = scale · dS K``
-    and ``dK = scale · dSᵀ Q`` (design note 000, §4.1). No masks: the experiments do not need
+    and ``dK = scale · dSᵀ Q`` (see :ref:`theory-backward`). No masks: the experiments do not need
     them.
     """
     xp = namespace_of(query=query, key=key, value=value, grad_output=grad_output)

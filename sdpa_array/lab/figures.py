@@ -299,8 +299,8 @@ def draw_worked_example(r: WorkedExample, fig: Any) -> None:
                 bbox={"facecolor": "white", "alpha": 0.7, "lw": 0},
             )
     fig.suptitle(
-        "Design note 001's example: exact values rounded like the published figures "
-        "(published in parentheses; red: wrong beyond its rounding)"
+        "The worked example: exact values rounded like the hand-computed figures "
+        "(hand-computed in parentheses; red: wrong beyond its rounding)"
     )
 
 

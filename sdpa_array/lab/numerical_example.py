@@ -1,4 +1,4 @@
-"""Design note 001's numerical example, computed exactly, against the figures it publishes."""
+"""The worked example of the Theory page, computed exactly, against hand-computed figures."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ EXAMPLE_QUERY = ((1.0, 2.0), (3.0, 4.0))
 EXAMPLE_KEY = ((5.0, 6.0), (7.0, 8.0), (9.0, 10.0))
 EXAMPLE_VALUE = ((1.0, 0.0, 1.0), (0.0, 1.0, 0.0), (1.0, 1.0, 0.0))
 
-#: The rounded figures design note 001 publishes, as printed there.
+#: The rounded figures of a hand computation of the example, as printed there.
 PUBLISHED: dict[str, tuple[tuple[str, ...], ...]] = {
     "scaled": (("12.02", "16.26", "20.51"), ("27.58", "37.48", "47.38")),
     "weights": (("2.06e-4", "0.016", "0.984"), ("1.67e-9", "0.0001", "0.9999")),
@@ -36,7 +36,7 @@ PUBLISHED: dict[str, tuple[tuple[str, ...], ...]] = {
 
 @dataclass(frozen=True)
 class PublishedFigure:
-    """One rounded figure of the design note, against the exact value.
+    """One rounded hand-computed figure, against the exact value.
 
     Attributes
     ----------
@@ -85,7 +85,7 @@ class PublishedFigure:
 
 @dataclass(frozen=True)
 class WorkedExample:
-    """Every intermediate of design note 001's example, exact, and its published figures.
+    """Every intermediate of the worked example, exact, and the hand-computed figures.
 
     Attributes
     ----------
@@ -117,7 +117,7 @@ class WorkedExample:
 
 
 def worked_example(*, backend: Backend | str = "numpy", dtype: str = "float64") -> WorkedExample:
-    """Design note 001's example (``d_k = 2``, two queries, three keys), computed exactly.
+    """The worked example (``d_k = 2``, two queries, three keys), computed exactly.
 
     Parameters
     ----------

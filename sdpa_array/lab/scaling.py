@@ -36,7 +36,7 @@ __all__ = [
 #: Default key widths of the variance and gradient experiments: 4, 8, ..., 1024.
 D_KS: tuple[int, ...] = tuple(2**i for i in range(2, 11))
 
-#: Logit variances of the saturation experiment (those of design note 003).
+#: Logit variances of the saturation experiment: those of unscaled logits for d_k = 1 to 100.
 VARIANCES: tuple[float, ...] = (1.0, 10.0, 20.0, 30.0, 50.0, 100.0)
 
 
@@ -139,7 +139,7 @@ def dot_product_variance(
 
     Notes
     -----
-    With ``q_l, k_l`` independent, mean 0, variance 1 (design note 000, §2.3),
+    With ``q_l, k_l`` independent, mean 0, variance 1 (see :ref:`theory-scaling`),
     ``s = Σ_l q_l k_l`` has mean 0 and variance ``d_k``, and ``s / sqrt(d_k)`` has variance 1.
 
     **Standard error of the sample variance.** For ``N`` i.i.d. draws of a variable with
@@ -258,7 +258,7 @@ def softmax_saturation(
     Parameters
     ----------
     variances : sequence of float, default (1, 10, 20, 30, 50, 100)
-        Variances of the logits (design note 003).
+        Variances of the logits (unscaled logits have variance ``d_k``; see :ref:`theory-scaling`).
     n_positions : int, default 64
         Length of each logit row.
     n_rows : int, default 256
@@ -285,7 +285,7 @@ def softmax_saturation(
     row is spread out, so every ``p_j (δ_jk - p_k)`` is small; the norm peaks when a few
     positions share the mass (``1/2`` for two equal halves), then falls towards 0 below the
     bound ``2 (1 - Σ p_j²) <= 4 (1 - p_max)`` as one position takes all the mass. That fall
-    is the saturation the design notes describe; it is what happens to attention logits of
+    is the saturation described in :ref:`theory-softmax`; it is what happens to attention logits of
     variance ``d_k`` without the ``1/sqrt(d_k)`` scale.
     """
     b = configured(backend)

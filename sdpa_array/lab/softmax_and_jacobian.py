@@ -33,7 +33,7 @@ def softmax(x: Any, /, *, axis: int = -1) -> Any:
 def softmax_jacobian(p: Any, /) -> Any:
     """Jacobian ``J = diag(p) - p pᵀ`` of softmax at probabilities ``p``.
 
-    ``J[..., j, k] = ∂p_j / ∂z_k = p_j (δ_jk - p_k)`` (design note 000, §2.7).
+    ``J[..., j, k] = ∂p_j / ∂z_k = p_j (δ_jk - p_k)`` (see :ref:`theory-softmax`).
 
     Parameters
     ----------
