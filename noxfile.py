@@ -18,9 +18,11 @@ nox.options.error_on_missing_interpreters = False
 #: would pull several GB of CUDA packages.
 TORCH = "torch==2.13.0"
 
-#: session name -> (backend ids for SDPA_BACKENDS, extras, extra pip requirements, default)
+#: session name -> (backend ids for SDPA_BACKENDS, extras, extra pip requirements, default).
+#: ``numpy:readonly`` passes NumPy arrays with ``writeable=False``: no path may write to its
+#: inputs.
 TEST_SESSIONS = {
-    "tests-numpy": ("numpy", "test,plot", [], True),
+    "tests-numpy": ("numpy,numpy:readonly", "test,plot", [], True),
     "tests-torch": ("torch", "test", [TORCH], True),
     "tests-strict": ("strict", "test,strict", [], True),
     "tests-jax": ("jax", "test,jax", [], True),
@@ -31,18 +33,29 @@ TEST_SESSIONS = {
 }
 
 
+#: The session that also runs the docstrings' examples: they use NumPy, and the example of
+#: ``sdpa_array.lab.figures`` matplotlib, which the ``plot`` extra installs.
+DOCTEST_SESSION = "tests-numpy"
+
+
 def _define_test_session(name: str, backends: str, extras: str, reqs: list[str], default: bool):
+    targets = ["--doctest-modules", "sdpa_array", "tests"] if name == DOCTEST_SESSION else []
+
     def run_tests(session: nox.Session) -> None:
         if reqs:
             session.install(*reqs)
         session.install("-e", f".[{extras}]")
         session.run(
             "pytest",
+            "--durations=10",
+            *targets,
             *session.posargs,
             env={"SDPA_BACKENDS": backends, "HYPOTHESIS_PROFILE": "ci"},
         )
 
-    run_tests.__doc__ = f"Run the test suite on the {backends} backend."
+    run_tests.__doc__ = f"Run the test suite with SDPA_BACKENDS={backends}" + (
+        ", and the doctests." if targets else "."
+    )
     nox.session(name=name, default=default)(run_tests)
 
 

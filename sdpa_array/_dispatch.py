@@ -179,6 +179,9 @@ def choose(
         An unknown ``implementation`` (or one without a backward kernel, for the VJP), or
         block sizes that are not positive ints or are given to an implementation that
         takes none.
+    CannotDelegateError
+        ``"native"`` for a call no native kernel computes exactly (also when ``L`` or ``S``
+        is 0, where no kernel would run).
     """
     names = [n for n, row in IMPLEMENTATIONS.items() if request is not None or row.backward]
     choices = ("auto", *names)
@@ -193,6 +196,8 @@ def choose(
         check_block_sizes(*blocks)
     if implementation == "auto":
         return Choice(_automatic(p, sized, request), True, *blocks)
+    if implementation == "native" and request is not None:
+        plan_native(p, request)  # raises CannotDelegateError before any work
     return Choice(implementation, False, *blocks)
 
 

@@ -1,18 +1,29 @@
-"""Backend selection for the test suite, driven by the registry in :mod:`sdpa_array.backends`.
+"""Backend selection for the test suite, driven by :mod:`sdpa_array.testing.backends`.
 
 Choose backends with ``pytest --backend numpy,torch`` (or the ``SDPA_BACKENDS`` environment
 variable, which the nox sessions set); the default is every registered backend, and those whose
-library or device is absent are skipped with a reason that names what is missing.
+library or device is absent are skipped with a reason that names what is missing. That is the
+only reason a backend test is skipped.
+
+A test asks for the backends it applies to by the name of its fixture (see
+:data:`BACKEND_FIXTURES`): ``backend`` is every selected backend, ``torch_backend`` only those
+holding torch tensors, ``native_backend`` only those whose library has a native kernel, and so
+on; each ``<name>_dtype`` fixture is the matching ``(backend, dtype name)`` pairs. A selected
+backend that a fixture leaves out generates no test; a test that no selected backend applies
+to is deselected, not skipped.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import hypothesis
 import pytest
 
-from sdpa_array.backends import BACKENDS, Backend, get_backend
+from sdpa_array._kernels.native import NATIVE_KERNELS
+from sdpa_array.testing.backends import BACKENDS, Backend, get_backend
 
 hypothesis.settings.register_profile(
     "ci",
@@ -28,6 +39,75 @@ hypothesis.settings.register_profile(
 )
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
+#: Libraries with at least one native kernel, from the library's own delegation table.
+NATIVE_LIBRARIES = frozenset(row.library for row in NATIVE_KERNELS)
+
+#: Dtypes in which a library's native kernels never compute a call, with the reason their
+#: refusal gives (stated here, not derived: ``tests/test_native.py::test_refused_dtypes``
+#: checks the refusals, and the other dtypes of a native backend must delegate).
+NATIVE_REFUSED_DTYPES: dict[str, dict[str, str]] = {
+    "jax": {"float64": "computes the softmax in float32"}
+}
+
+#: Libraries whose native kernel returning the log-sum-exp runs on the CPU only (stated;
+#: ``tests/test_native.py::test_lse_and_weights_delegation`` checks the refusal elsewhere).
+NATIVE_LSE_CPU_ONLY = frozenset({"torch"})
+
+#: Libraries whose own autodiff the library supports (torch autograd, JAX transforms).
+AUTOGRAD_LIBRARIES = frozenset({"torch", "jax"})
+
+
+def _native_dtype(b: Backend, dtype: str) -> bool:
+    return b.library in NATIVE_LIBRARIES and dtype not in NATIVE_REFUSED_DTYPES.get(b.library, {})
+
+
+def _native_lse_device(b: Backend) -> bool:
+    return b.library in NATIVE_LIBRARIES and (
+        b.library not in NATIVE_LSE_CPU_ONLY or b.device == "cpu"
+    )
+
+
+def _native_lse(b: Backend, dtype: str) -> bool:
+    return _native_lse_device(b) and _native_dtype(b, dtype)
+
+
+@dataclass(frozen=True)
+class BackendFixture:
+    """Which selected backends (and dtypes, for the ``_dtype`` variant) a fixture holds."""
+
+    backends: Callable[[Backend], bool]
+    dtypes: Callable[[Backend, str], bool] = lambda b, dtype: True
+
+
+#: Fixture name -> the backends it holds. Each also exists as ``<name>_dtype``.
+BACKEND_FIXTURES: dict[str, BackendFixture] = {
+    # every selected backend
+    "backend": BackendFixture(lambda b: True),
+    # the backends of one library, for tests of that library's own features
+    "torch_backend": BackendFixture(lambda b: b.library == "torch"),
+    "jax_backend": BackendFixture(lambda b: b.library == "jax"),
+    "autograd_backend": BackendFixture(lambda b: b.library in AUTOGRAD_LIBRARIES),
+    # arrays torch shares memory with (NumPy and torch), for comparisons with torch
+    "torch_interop_backend": BackendFixture(lambda b: b.library in ("numpy", "torch")),
+    # backends whose arrays are not NumPy's, for mixing libraries
+    "non_numpy_backend": BackendFixture(lambda b: b.library != "numpy"),
+    "float64_backend": BackendFixture(lambda b: "float64" in b.dtypes),
+    # implementation="native": the dtype variant holds the dtypes that must delegate
+    "native_backend": BackendFixture(lambda b: b.library in NATIVE_LIBRARIES, _native_dtype),
+    "non_native_backend": BackendFixture(lambda b: b.library not in NATIVE_LIBRARIES),
+    # native kernels that return the log-sum-exp (and so the weights) on this device
+    "native_lse_backend": BackendFixture(_native_lse_device, _native_lse),
+    # dtypes in which native kernels refuse every call
+    "native_refused_backend": BackendFixture(
+        lambda b: b.library in NATIVE_LIBRARIES,
+        lambda b, dtype: b.library in NATIVE_LIBRARIES and not _native_dtype(b, dtype),
+    ),
+}
+
+#: Mark of the placeholder item of a test that no selected backend applies to; it is
+#: deselected before the run.
+NOT_GENERATED = "not_generated"
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
@@ -39,6 +119,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"{NOT_GENERATED}: no selected backend applies (deselected, never run)"
+    )
+
+
 def selected_backends(config: pytest.Config) -> list[Backend]:
     raw = config.getoption("--backend") or os.environ.get("SDPA_BACKENDS") or "all"
     if raw == "all":
@@ -46,15 +132,29 @@ def selected_backends(config: pytest.Config) -> list[Backend]:
     return [get_backend(name.strip()) for name in raw.split(",") if name.strip()]
 
 
+def _parametrize(metafunc: pytest.Metafunc, name: str, values: list, ids: list[str]) -> None:
+    if not values:
+        values = [pytest.param(None, marks=getattr(pytest.mark, NOT_GENERATED))]
+        ids = ["no-selected-backend-applies"]
+    metafunc.parametrize(name, values, ids=ids, indirect=True)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    backends = selected_backends(metafunc.config)
-    if "backend_dtype" in metafunc.fixturenames:
-        pairs = [(b, d) for b in backends for d in b.dtypes]
-        metafunc.parametrize(
-            "backend_dtype", pairs, ids=[f"{b.id}-{d}" for b, d in pairs], indirect=True
-        )
-    elif "backend" in metafunc.fixturenames:
-        metafunc.parametrize("backend", backends, ids=[b.id for b in backends], indirect=True)
+    selected = selected_backends(metafunc.config)
+    for name, spec in BACKEND_FIXTURES.items():
+        backends = [b for b in selected if spec.backends(b)]
+        if f"{name}_dtype" in metafunc.fixturenames:
+            pairs = [(b, d) for b in backends for d in b.dtypes if spec.dtypes(b, d)]
+            _parametrize(metafunc, f"{name}_dtype", pairs, [f"{b.id}-{d}" for b, d in pairs])
+        elif name in metafunc.fixturenames:
+            _parametrize(metafunc, name, backends, [b.id for b in backends])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unused = [item for item in items if item.get_closest_marker(NOT_GENERATED)]
+    if unused:
+        config.hook.pytest_deselected(items=unused)
+        items[:] = [item for item in items if not item.get_closest_marker(NOT_GENERATED)]
 
 
 def _require(backend: Backend) -> Backend:
@@ -62,18 +162,25 @@ def _require(backend: Backend) -> Backend:
         pytest.skip(f"{backend.module} is not installed (pip install sdpa_array[{backend.extra}])")
     if not backend.is_available():
         pytest.skip(f"backend {backend.id!r} needs a {backend.device} device, absent here")
+    backend.configure()
     backend.namespace()
     return backend
 
 
-@pytest.fixture
-def backend(request: pytest.FixtureRequest) -> Backend:
-    """A registered backend whose library and device are present."""
-    return _require(request.param)
+def _make_fixtures(name: str) -> None:
+    def one(request: pytest.FixtureRequest) -> Backend:
+        return _require(request.param)
+
+    def pair(request: pytest.FixtureRequest) -> tuple[Backend, str]:
+        b, dtype = request.param
+        return _require(b), dtype
+
+    one.__doc__ = f"A selected backend of the {name!r} kind whose library and device are present."
+    pair.__doc__ = f"A (backend, dtype name) pair of the {name!r} kind."
+    globals()[name] = pytest.fixture(one, name=name)
+    globals()[f"{name}_dtype"] = pytest.fixture(pair, name=f"{name}_dtype")
 
 
-@pytest.fixture
-def backend_dtype(request: pytest.FixtureRequest) -> tuple[Backend, str]:
-    """A (backend, dtype name) pair the backend supports."""
-    b, dtype = request.param
-    return _require(b), dtype
+# One fixture per entry of BACKEND_FIXTURES, and its ``_dtype`` variant.
+for _name in BACKEND_FIXTURES:
+    _make_fixtures(_name)

@@ -9,47 +9,44 @@ import numpy as np
 import pytest
 
 import sdpa_array
-from sdpa_array import reference
-from sdpa_array._native import CannotDelegateError
-from tests.helpers import assert_array_like, check_against_oracle
+from sdpa_array import CannotDelegateError, reference
+from tests.helpers import assert_array_like, check_against_oracle, spy_native_kernels
 
-IMPLEMENTATIONS = ["auto", "materialized", "blocked", "native"]
+#: The implementations every backend runs; ``"native"`` runs only where it delegates (below).
+IMPLEMENTATIONS = ["auto", "materialized", "blocked"]
 
-
-@pytest.fixture(autouse=True)
-def _skip_what_native_cannot_delegate(request, monkeypatch):
-    """With ``implementation="native"``, a call that no native kernel computes exactly
-    (NumPy arrays, softcap, ...) raises its documented :class:`CannotDelegateError`: that
-    case is skipped with the reason. ``tests/test_native.py`` asserts which calls must
-    delegate, so a kernel that stops applying cannot hide here.
-    """
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is None or callspec.params.get("implementation") != "native":
-        return
-
-    def attention(*args, original=sdpa_array.scaled_dot_product_attention, **kwargs):
-        try:
-            return original(*args, **kwargs)
-        except CannotDelegateError as exc:
-            pytest.skip(f"native cannot delegate: {exc}")
-
-    monkeypatch.setattr(sdpa_array, "scaled_dot_product_attention", attention)
+#: What native kernels do with a case of the feature matrix, called (as
+#: ``check_against_oracle`` calls) for the output, the weights and the log-sum-exp: ``True``
+#: means every native backend in a dtype it computes must delegate it
+#: (``native_lse_backend_dtype``), otherwise the reason its refusal must name.
+DELEGATES = True
+NEEDS_EV_EQ_E = "Ev == E"
+SOFTCAP = "softcap"
 
 
 def randn(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return rng.standard_normal(shape)
 
 
-# Each case: (id, shapes of q, k, v, options, mask shape or None, bias shape or None)
+# Each case: (id, shapes of q, k, v, options, mask shape or None, bias shape or None, native)
 CASES = [
-    ("plain", (2, 3, 5, 8), (2, 3, 5, 8), (2, 3, 5, 8), {}, None, None),
-    ("no-heads-2d", (6, 4), (9, 4), (9, 3), {}, None, None),
-    ("L!=S,Ev!=E", (1, 2, 4, 8), (1, 2, 11, 8), (1, 2, 11, 5), {}, None, None),
-    ("broadcast-batch", (3, 1, 5, 4), (1, 2, 6, 4), (2, 6, 7), {}, None, None),
-    ("mask", (2, 2, 6, 4), (2, 2, 7, 4), (2, 2, 7, 4), {}, (2, 1, 6, 7), None),
-    ("bias", (2, 2, 6, 4), (2, 2, 7, 4), (2, 2, 7, 4), {}, None, (2, 6, 7)),
-    ("mask+bias", (2, 2, 6, 4), (2, 2, 7, 4), (2, 2, 7, 4), {}, (6, 7), (2, 2, 1, 7)),
-    ("causal", (1, 2, 7, 4), (1, 2, 7, 4), (1, 2, 7, 4), {"is_causal": True}, None, None),
+    ("plain", (2, 3, 5, 8), (2, 3, 5, 8), (2, 3, 5, 8), {}, None, None, DELEGATES),
+    ("no-heads-2d", (6, 4), (9, 4), (9, 3), {}, None, None, NEEDS_EV_EQ_E),
+    ("L!=S,Ev!=E", (1, 2, 4, 8), (1, 2, 11, 8), (1, 2, 11, 5), {}, None, None, NEEDS_EV_EQ_E),
+    ("broadcast-batch", (3, 1, 5, 4), (1, 2, 6, 4), (2, 6, 7), {}, None, None, NEEDS_EV_EQ_E),
+    ("mask", (2, 2, 6, 4), (2, 2, 7, 4), (2, 2, 7, 4), {}, (2, 1, 6, 7), None, DELEGATES),
+    ("bias", (2, 2, 6, 4), (2, 2, 7, 4), (2, 2, 7, 4), {}, None, (2, 6, 7), DELEGATES),
+    ("mask+bias", (2, 2, 6, 4), (2, 2, 7, 4), (2, 2, 7, 4), {}, (6, 7), (2, 2, 1, 7), DELEGATES),
+    (
+        "causal",
+        (1, 2, 7, 4),
+        (1, 2, 7, 4),
+        (1, 2, 7, 4),
+        {"is_causal": True},
+        None,
+        None,
+        DELEGATES,
+    ),
     (
         "causal-top-left-L<S",
         (1, 2, 4, 4),
@@ -58,6 +55,7 @@ CASES = [
         {"is_causal": True, "alignment": "top_left"},
         None,
         None,
+        DELEGATES,
     ),
     (
         "causal-bottom-right-L<S",
@@ -67,6 +65,7 @@ CASES = [
         {"is_causal": True, "alignment": "bottom_right"},
         None,
         None,
+        DELEGATES,
     ),
     (
         "causal-bottom-right-L>S",
@@ -76,8 +75,9 @@ CASES = [
         {"is_causal": True, "alignment": "bottom_right"},
         None,
         None,
+        DELEGATES,
     ),
-    ("window", (1, 2, 9, 4), (1, 2, 9, 4), (1, 2, 9, 4), {"window": (2, 1)}, None, None),
+    ("window", (1, 2, 9, 4), (1, 2, 9, 4), (1, 2, 9, 4), {"window": (2, 1)}, None, None, DELEGATES),
     (
         "window-left-only+causal",
         (1, 1, 9, 4),
@@ -86,6 +86,7 @@ CASES = [
         {"window": (3, None), "is_causal": True, "alignment": "bottom_right"},
         None,
         None,
+        DELEGATES,
     ),
     (
         "window-right-only",
@@ -95,10 +96,20 @@ CASES = [
         {"window": (None, 0)},
         None,
         None,
+        DELEGATES,
     ),
-    ("softcap", (1, 2, 5, 8), (1, 2, 6, 8), (1, 2, 6, 8), {"softcap": 2.5}, None, None),
-    ("scale", (1, 2, 5, 8), (1, 2, 6, 8), (1, 2, 6, 8), {"scale": 0.7}, None, None),
-    ("gqa", (2, 6, 5, 4), (2, 2, 7, 4), (2, 2, 7, 3), {"enable_gqa": True}, None, None),
+    ("softcap", (1, 2, 5, 8), (1, 2, 6, 8), (1, 2, 6, 8), {"softcap": 2.5}, None, None, SOFTCAP),
+    ("scale", (1, 2, 5, 8), (1, 2, 6, 8), (1, 2, 6, 8), {"scale": 0.7}, None, None, DELEGATES),
+    (
+        "gqa",
+        (2, 6, 5, 4),
+        (2, 2, 7, 4),
+        (2, 2, 7, 3),
+        {"enable_gqa": True},
+        None,
+        None,
+        NEEDS_EV_EQ_E,
+    ),
     (
         "gqa+mask+bias+causal+softcap",
         (1, 4, 6, 4),
@@ -107,6 +118,7 @@ CASES = [
         {"enable_gqa": True, "is_causal": True, "alignment": "bottom_right", "softcap": 5.0},
         (4, 6, 8),
         (1, 4, 1, 8),
+        SOFTCAP,
     ),
     (
         "everything",
@@ -123,34 +135,80 @@ CASES = [
         },
         (2, 1, 6, 10),
         (4, 6, 10),
+        SOFTCAP,
     ),
 ]
 
 
+def _feature_inputs(q_shape, k_shape, v_shape, options, mask_shape, bias_shape):
+    rng = np.random.default_rng(zlib.crc32(repr((q_shape, k_shape, options)).encode()))
+    mask = None if mask_shape is None else rng.random(mask_shape) > 0.3
+    bias = None if bias_shape is None else randn(rng, *bias_shape)
+    q, k, v = randn(rng, *q_shape), randn(rng, *k_shape), randn(rng, *v_shape)
+    return q, k, v, mask, bias
+
+
+CASE_FIELDS = ("q_shape", "k_shape", "v_shape", "options", "mask_shape", "bias_shape")
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize(
-    ("q_shape", "k_shape", "v_shape", "options", "mask_shape", "bias_shape"),
-    [c[1:] for c in CASES],
-    ids=[c[0] for c in CASES],
-)
+@pytest.mark.parametrize(CASE_FIELDS, [c[1:-1] for c in CASES], ids=[c[0] for c in CASES])
 def test_feature_matches_oracle(
     backend_dtype, implementation, q_shape, k_shape, v_shape, options, mask_shape, bias_shape
 ):
     backend, dtype = backend_dtype
-    rng = np.random.default_rng(zlib.crc32(repr((q_shape, k_shape, options)).encode()))
-    mask = None if mask_shape is None else rng.random(mask_shape) > 0.3
-    bias = None if bias_shape is None else randn(rng, *bias_shape)
-    check_against_oracle(
-        backend,
-        dtype,
-        randn(rng, *q_shape),
-        randn(rng, *k_shape),
-        randn(rng, *v_shape),
-        mask=mask,
-        bias=bias,
-        implementation=implementation,
-        **options,
+    q, k, v, mask, bias = _feature_inputs(
+        q_shape, k_shape, v_shape, options, mask_shape, bias_shape
     )
+    check_against_oracle(
+        backend, dtype, q, k, v, mask=mask, bias=bias, implementation=implementation, **options
+    )
+
+
+@pytest.mark.parametrize(
+    CASE_FIELDS,
+    [c[1:-1] for c in CASES if c[-1] is DELEGATES],
+    ids=[c[0] for c in CASES if c[-1] is DELEGATES],
+)
+def test_feature_native_matches_oracle(
+    native_lse_backend_dtype,
+    monkeypatch,
+    q_shape,
+    k_shape,
+    v_shape,
+    options,
+    mask_shape,
+    bias_shape,
+):
+    """The cases native delegates (output, weights and log-sum-exp), against the oracle."""
+    backend, dtype = native_lse_backend_dtype
+    called = spy_native_kernels(monkeypatch)
+    q, k, v, mask, bias = _feature_inputs(
+        q_shape, k_shape, v_shape, options, mask_shape, bias_shape
+    )
+    check_against_oracle(
+        backend, dtype, q, k, v, mask=mask, bias=bias, implementation="native", **options
+    )
+    assert len(called) == 1, f"native kernels run: {called}"
+
+
+@pytest.mark.parametrize(
+    (*CASE_FIELDS, "reason"),
+    [c[1:] for c in CASES if c[-1] is not DELEGATES],
+    ids=[c[0] for c in CASES if c[-1] is not DELEGATES],
+)
+def test_feature_native_refuses_with_the_reason(
+    native_lse_backend_dtype, q_shape, k_shape, v_shape, options, mask_shape, bias_shape, reason
+):
+    """The other cases raise the documented error, naming why, before running any kernel."""
+    backend, dtype = native_lse_backend_dtype
+    q, k, v, mask, bias = _feature_inputs(
+        q_shape, k_shape, v_shape, options, mask_shape, bias_shape
+    )
+    with pytest.raises(CannotDelegateError, match=reason):
+        check_against_oracle(
+            backend, dtype, q, k, v, mask=mask, bias=bias, implementation="native", **options
+        )
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -190,24 +248,33 @@ def test_window_and_causal_exclude_whole_rows(backend_dtype, implementation):
     assert np.all(reference.to_numpy(lse)[0, :4] == -np.inf)
 
 
-@pytest.mark.parametrize(("L", "S"), [(0, 5), (4, 0), (0, 0)])
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_empty_lengths(backend_dtype, implementation, L, S):
-    backend, dtype = backend_dtype
+def _check_empty_lengths(backend, dtype, implementation, L, S, Ev=3):
     rng = np.random.default_rng(3)
     out, weights, lse = check_against_oracle(
         backend,
         dtype,
         randn(rng, 2, L, 4),
         randn(rng, 2, S, 4),
-        randn(rng, 2, S, 3),
+        randn(rng, 2, S, Ev),
         implementation=implementation,
     )
-    assert tuple(out.shape) == (2, L, 3)
+    assert tuple(out.shape) == (2, L, Ev)
     assert tuple(weights.shape) == (2, L, S)
     if S == 0:
         assert np.all(reference.to_numpy(out) == 0)
         assert np.all(reference.to_numpy(lse) == -np.inf)
+
+
+@pytest.mark.parametrize(("L", "S"), [(0, 5), (4, 0), (0, 0)])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_empty_lengths(backend_dtype, implementation, L, S):
+    _check_empty_lengths(*backend_dtype, implementation, L, S)
+
+
+@pytest.mark.parametrize(("L", "S"), [(0, 5), (4, 0), (0, 0)])
+def test_empty_lengths_native(native_backend_dtype, L, S):
+    # Ev == E: torch's kernel that returns the log-sum-exp needs it (test_native.py)
+    _check_empty_lengths(*native_backend_dtype, "native", L, S, Ev=4)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

@@ -2,11 +2,12 @@
 
 * torch tensors with ``requires_grad``, for every implementation (the blocked one through
   its ``torch.autograd.Function``), against the float64 oracle's VJP within the bound of
-  :func:`tests.helpers.vjp_oracle_and_bounds`;
+  :func:`sdpa_array.testing.bounds.vjp_oracle_and_bounds`;
 * ``jax.grad`` (eager and under ``jax.jit``), the blocked path through its
   ``jax.custom_vjp``, against the same oracle;
 * the log-sum-exp output's gradient, what the blocked path saves for backward (``O(block)``,
-  not the probabilities), and that it refuses a second derivative instead of a wrong one.
+  not the probabilities), and torch's second derivative through it (``gradgradcheck``);
+* ``"native"`` only for the cases it delegates; the others must refuse, naming the reason.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import numpy as np
 import pytest
 
 import sdpa_array
-from sdpa_array import reference
-from sdpa_array._native import CannotDelegateError
+from sdpa_array import CannotDelegateError, _autograd, reference
 from tests.helpers import assert_array_like, assert_within, rounded, vjp_oracle_and_bounds
 
 #: (id, implementation, block sizes) of the forward pass that autodiff goes through.
@@ -30,7 +30,11 @@ IMPLEMENTATIONS = [
     pytest.param("auto", {}, id="auto"),
 ]
 
-# (id, q, k, v shapes, options, mask shape, bias shape)
+#: A case's ``native`` entry: every torch and JAX backend must delegate it (output only, in
+#: the dtypes the tests use), or the reason the refusal must name.
+DELEGATES = True
+
+# (id, q, k, v shapes, options, mask shape, bias shape, native)
 CASES = [
     (
         "mask+bias+causal",
@@ -40,6 +44,7 @@ CASES = [
         {"is_causal": True},
         (6, 7),
         (3, 6, 7),
+        DELEGATES,
     ),
     (
         "gqa+window+softcap-bottom-right",
@@ -49,6 +54,7 @@ CASES = [
         {"enable_gqa": True, "window": (2, 1), "softcap": 2.0, "alignment": "bottom_right"},
         None,
         (1, 4, 1, 9),
+        "softcap",
     ),
     (
         "dead-rows",
@@ -58,8 +64,25 @@ CASES = [
         {"is_causal": True, "alignment": "bottom_right"},
         None,
         None,
+        DELEGATES,
     ),
 ]
+
+CASE_FIELDS = ("case_id", "q_shape", "k_shape", "v_shape", "options", "mask_shape", "bias_shape")
+
+
+def implementations_and_cases(implementations):
+    """Every (implementation, case) pair, ``"native"`` only with the cases it delegates."""
+    return [
+        pytest.param(*impl.values, *case[:-1], id=f"{case[0]}-{impl.id}")
+        for case in CASES
+        for impl in implementations
+        if "native" not in impl.values or case[-1] is DELEGATES
+    ]
+
+
+#: The cases native refuses, with the reason.
+REFUSED = [pytest.param(*c[:-1], c[-1], id=c[0]) for c in CASES if c[-1] is not DELEGATES]
 
 
 def _draw(case_id, q_shape, k_shape, v_shape, mask_shape, bias_shape, options):
@@ -73,31 +96,17 @@ def _draw(case_id, q_shape, k_shape, v_shape, mask_shape, bias_shape, options):
     return q, k, v, rng.standard_normal(out.shape), mask, bias
 
 
-def _attention(*args, **kwargs):
-    try:
-        return sdpa_array.scaled_dot_product_attention(*args, **kwargs)
-    except CannotDelegateError as exc:
-        pytest.skip(f"native cannot delegate: {exc}")
-
-
-def _require(backend, library):
-    if backend.library != library:
-        pytest.skip(f"tests {library}'s own autodiff; backend {backend.id!r} holds other arrays")
-
-
 # --------------------------------------------------------------------------------------
 # torch
 # --------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize(("implementation", "blocks"), IMPLEMENTATIONS)
 @pytest.mark.parametrize(
-    ("case_id", "q_shape", "k_shape", "v_shape", "options", "mask_shape", "bias_shape"),
-    [pytest.param(*c, id=c[0]) for c in CASES],
+    ("implementation", "blocks", *CASE_FIELDS), implementations_and_cases(IMPLEMENTATIONS)
 )
 def test_torch_requires_grad(
-    backend,
+    torch_backend,
     dtype,
     implementation,
     blocks,
@@ -109,27 +118,26 @@ def test_torch_requires_grad(
     mask_shape,
     bias_shape,
 ):
-    _require(backend, "torch")
     q, k, v, d_out, mask, bias = _draw(
         case_id, q_shape, k_shape, v_shape, mask_shape, bias_shape, options
     )
     (tq, q64), (tk, k64), (tv, v64), (tg, g64) = (
-        rounded(backend, a, dtype) for a in (q, k, v, d_out)
+        rounded(torch_backend, a, dtype) for a in (q, k, v, d_out)
     )
-    tb, b64 = (None, None) if bias is None else rounded(backend, bias, dtype)
+    tb, b64 = (None, None) if bias is None else rounded(torch_backend, bias, dtype)
     leaves = [x.requires_grad_(True) for x in (tq, tk, tv, tb) if x is not None]
-    out = _attention(
+    out = sdpa_array.scaled_dot_product_attention(
         tq,
         tk,
         tv,
-        mask=None if mask is None else backend.asarray(mask),
+        mask=None if mask is None else torch_backend.asarray(mask),
         bias=tb,
         implementation=implementation,
         **blocks,
         **options,
     )
-    if implementation == "blocked":
-        assert type(out.grad_fn).__name__ == "BlockedAttentionBackward"
+    if implementation == "blocked":  # through its own backward kernel, not torch's autodiff
+        assert type(out.grad_fn).__name__ == f"{_autograd._torch_function().__name__}Backward"
     out.backward(tg)
     expected, bounds = vjp_oracle_and_bounds(
         dtype, q64, k64, v64, g64, mask=mask, bias=b64, **options
@@ -140,15 +148,33 @@ def test_torch_requires_grad(
         assert_within(x.grad, e, b, name)
 
 
-def test_torch_blocked_saves_no_score_matrix(backend):
+@pytest.mark.parametrize((*CASE_FIELDS, "reason"), REFUSED)
+def test_native_refuses_with_the_reason(
+    autograd_backend, case_id, q_shape, k_shape, v_shape, options, mask_shape, bias_shape, reason
+):
+    """The cases above that ``"native"`` is not generated for raise its documented error."""
+    q, k, v, _, mask, bias = _draw(
+        case_id, q_shape, k_shape, v_shape, mask_shape, bias_shape, options
+    )
+    x = [autograd_backend.asarray(a, "float32") for a in (q, k, v)]
+    with pytest.raises(CannotDelegateError, match=reason):
+        sdpa_array.scaled_dot_product_attention(
+            *x,
+            mask=None if mask is None else autograd_backend.asarray(mask),
+            bias=None if bias is None else autograd_backend.asarray(bias, "float32"),
+            implementation="native",
+            **options,
+        )
+
+
+def test_torch_blocked_saves_no_score_matrix(torch_backend):
     """What autograd keeps for the backward pass: ``O(block)`` on the blocked path (inputs,
     output, log-sum-exp), the ``(L, S)`` probabilities on the materialized one."""
-    _require(backend, "torch")
     import torch
 
     L, S, E = 256, 512, 8
     rng = np.random.default_rng(3)
-    q, k, v = (backend.asarray(rng.standard_normal((2, n, E)), "float32") for n in (L, S, S))
+    q, k, v = (torch_backend.asarray(rng.standard_normal((2, n, E)), "float32") for n in (L, S, S))
     for x in (q, k, v):
         x.requires_grad_(True)
 
@@ -160,7 +186,9 @@ def test_torch_blocked_saves_no_score_matrix(backend):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            _attention(q, k, v, implementation=implementation).sum().backward()
+            sdpa_array.scaled_dot_product_attention(
+                q, k, v, implementation=implementation
+            ).sum().backward()
         return sum(sizes)
 
     score_matrix = 2 * L * S * 4
@@ -206,38 +234,44 @@ def _assert_matches_differences(got, expected, tolerance):
 
 
 @pytest.mark.parametrize(("implementation", "blocks"), IMPLEMENTATIONS[:3])
-def test_torch_log_sum_exp_gradient(backend, implementation, blocks):
-    _require(backend, "torch")
+def test_torch_log_sum_exp_gradient(torch_backend, implementation, blocks):
     import torch
 
     arrays, w_out, w_lse, expected, tolerance = _lse_loss_and_finite_differences()
-    xs = [backend.asarray(a, "float64").requires_grad_(True) for a in arrays]
+    xs = [torch_backend.asarray(a, "float64").requires_grad_(True) for a in arrays]
     out, lse = sdpa_array.scaled_dot_product_attention(
         *xs[:3], bias=xs[3], return_lse=True, implementation=implementation, **blocks
     )
-    loss = (out * backend.asarray(w_out)).sum() + (lse * backend.asarray(w_lse)).sum()
+    loss = (out * torch_backend.asarray(w_out)).sum() + (lse * torch_backend.asarray(w_lse)).sum()
     _assert_matches_differences(torch.autograd.grad(loss, xs), expected, tolerance)
 
 
-def test_torch_blocked_refuses_a_second_derivative(backend):
-    _require(backend, "torch")
+def test_torch_blocked_second_derivative_is_exact(torch_backend):
+    """Double backward through the blocked path's own backward kernel (``create_graph``)
+    matches central finite differences of its first derivative (torch's ``gradgradcheck``,
+    float64), with a bias, a causal restriction and several tiles per row."""
     import torch
 
-    q, k, v = (
-        backend.asarray(np.ones(s), "float64").requires_grad_(True)
-        for s in ((2, 5, 4), (2, 7, 4), (2, 7, 3))
+    rng = np.random.default_rng(5)
+    q, k, v, bias = (
+        torch_backend.asarray(rng.standard_normal(s), "float64").requires_grad_(True)
+        for s in ((2, 5, 4), (2, 7, 4), (2, 7, 3), (2, 5, 7))
     )
-    out = sdpa_array.scaled_dot_product_attention(q, k, v, implementation="blocked")
-    (dq,) = torch.autograd.grad((out * out).sum(), (q,), create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        dq.sum().backward()
+
+    def attention(q, k, v, bias):
+        return sdpa_array.scaled_dot_product_attention(
+            q, k, v, bias=bias, is_causal=True, implementation="blocked", block_q=2, block_k=3
+        )
+
+    out = attention(q, k, v, bias)
+    assert type(out.grad_fn).__name__ == f"{_autograd._torch_function().__name__}Backward"
+    assert torch.autograd.gradgradcheck(attention, (q, k, v, bias))
 
 
-def test_torch_without_grad_runs_the_plain_blocked_path(backend):
-    _require(backend, "torch")
+def test_torch_without_grad_runs_the_plain_blocked_path(torch_backend):
     import torch
 
-    q = backend.asarray(np.ones((2, 3, 4)), "float32").requires_grad_(True)
+    q = torch_backend.asarray(np.ones((2, 3, 4)), "float32").requires_grad_(True)
     with torch.no_grad():
         out = sdpa_array.scaled_dot_product_attention(q, q, q, implementation="blocked")
     assert out.grad_fn is None
@@ -259,13 +293,11 @@ JAX_MODES = [
 ]
 
 
-@pytest.mark.parametrize(("jit", "implementation", "blocks"), JAX_MODES)
 @pytest.mark.parametrize(
-    ("case_id", "q_shape", "k_shape", "v_shape", "options", "mask_shape", "bias_shape"),
-    [pytest.param(*c, id=c[0]) for c in CASES],
+    ("jit", "implementation", "blocks", *CASE_FIELDS), implementations_and_cases(JAX_MODES)
 )
 def test_jax_grad(
-    backend,
+    jax_backend,
     jit,
     implementation,
     blocks,
@@ -277,7 +309,6 @@ def test_jax_grad(
     mask_shape,
     bias_shape,
 ):
-    _require(backend, "jax")
     import jax
 
     dtype = "float32"  # jax.nn.dot_product_attention ("native") computes in float32
@@ -285,14 +316,14 @@ def test_jax_grad(
         case_id, q_shape, k_shape, v_shape, mask_shape, bias_shape, options
     )
     (jq, q64), (jk, k64), (jv, v64), (jg, g64) = (
-        rounded(backend, a, dtype) for a in (q, k, v, d_out)
+        rounded(jax_backend, a, dtype) for a in (q, k, v, d_out)
     )
-    jb, b64 = (None, None) if bias is None else rounded(backend, bias, dtype)
-    jmask = None if mask is None else backend.asarray(mask)
+    jb, b64 = (None, None) if bias is None else rounded(jax_backend, bias, dtype)
+    jmask = None if mask is None else jax_backend.asarray(mask)
     args = (jq, jk, jv) + ((jb,) if jb is not None else ())
 
     def loss(q, k, v, *bias):
-        out = _attention(
+        out = sdpa_array.scaled_dot_product_attention(
             q,
             k,
             v,
@@ -316,8 +347,7 @@ def test_jax_grad(
 
 
 @pytest.mark.parametrize(("implementation", "blocks"), IMPLEMENTATIONS[:3])
-def test_jax_log_sum_exp_gradient(backend, implementation, blocks):
-    _require(backend, "jax")
+def test_jax_log_sum_exp_gradient(jax_backend, implementation, blocks):
     import jax
 
     arrays, w_out, w_lse, expected, tolerance = _lse_loss_and_finite_differences()
@@ -328,5 +358,5 @@ def test_jax_log_sum_exp_gradient(backend, implementation, blocks):
         )
         return (out * w_out).sum() + (lse * w_lse).sum()
 
-    xs = [backend.asarray(a, "float64") for a in arrays]
+    xs = [jax_backend.asarray(a, "float64") for a in arrays]
     _assert_matches_differences(jax.grad(loss, argnums=(0, 1, 2, 3))(*xs), expected, tolerance)

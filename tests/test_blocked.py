@@ -4,6 +4,7 @@ the tile plan (skipped blocks, full tiles), O(block) memory, block sizes and the
 
 from __future__ import annotations
 
+import dataclasses
 import tracemalloc
 import zlib
 
@@ -13,8 +14,10 @@ import pytest
 from hypothesis import given
 
 import sdpa_array
-from sdpa_array import _blocked, _parallel, reference
-from sdpa_array._positions import Positions
+from sdpa_array import _dispatch, reference
+from sdpa_array._compat import array_namespace
+from sdpa_array._kernels import blocked, parallel, tiling
+from sdpa_array._kernels.restrictions import Band, Restrictions, TileKind
 from sdpa_array._problem import validate
 from tests.helpers import check_against_oracle
 
@@ -198,7 +201,7 @@ def test_return_weights_falls_back_to_materialized(backend):
 # ----------------------------------------------------------------------------------------
 
 
-def positional_mask(pos: Positions) -> np.ndarray:
+def positional_mask(pos: Band) -> np.ndarray:
     i = np.arange(pos.L)[:, None]
     j = np.arange(pos.S)[None, :]
     rel = j - i - pos.offset
@@ -217,7 +220,7 @@ def plans(draw):
     L = draw(st.integers(1, 40))
     S = draw(st.integers(1, 40))
     side = st.none() | st.integers(0, 12)
-    pos = Positions(
+    pos = Band(
         L=L,
         S=S,
         is_causal=draw(st.booleans()),
@@ -228,12 +231,17 @@ def plans(draw):
     return pos, draw(st.integers(1, 12)), draw(st.integers(1, 12))
 
 
+def band_plan(pos: Band, bq: int, bk: int) -> list[tiling.QueryBlock]:
+    """The forward plan of a call whose only restriction is ``pos``."""
+    return tiling.plan_blocks(Restrictions((pos,), pos.L, pos.S), bq, bk)
+
+
 @given(plans())
 def test_plan_covers_every_admissible_pair_once(plan):
     pos, bq, bk = plan
     ok = positional_mask(pos)
     covered = np.zeros((pos.L, pos.S), dtype=int)
-    blocks = _blocked.plan_blocks(pos, bq, bk)
+    blocks = band_plan(pos, bq, bk)
     assert [(b.start, b.stop) for b in blocks] == [
         (q0, min(q0 + bq, pos.L)) for q0 in range(0, pos.L, bq)
     ]
@@ -244,14 +252,15 @@ def test_plan_covers_every_admissible_pair_once(plan):
             region = ok[block.start : block.stop, tile.start : tile.stop]
             assert region.any(), "a tile with no admissible pair was visited"
             assert tile.full == bool(region.all())
+            assert tile.kind is (TileKind.FULL if region.all() else TileKind.PARTIAL)
             covered[block.start : block.stop, tile.start : tile.stop] += 1
     assert covered.max(initial=0) <= 1
     np.testing.assert_array_equal(covered[ok], 1)
 
 
 def test_causal_plan_visits_about_half_the_tiles():
-    pos = Positions(L=1024, S=1024, is_causal=True, left=None, right=None, offset=0)
-    blocks = _blocked.plan_blocks(pos, 64, 64)
+    pos = Band(L=1024, S=1024, is_causal=True, left=None, right=None, offset=0)
+    blocks = band_plan(pos, 64, 64)
     area = sum((b.stop - b.start) * (t.stop - t.start) for b in blocks for t in b.tiles)
     assert area == 1024 * 1024 // 2 + 1024 * 64 // 2
     partial = [t for b in blocks for t in b.tiles if not t.full]
@@ -259,8 +268,8 @@ def test_causal_plan_visits_about_half_the_tiles():
 
 
 def test_window_plan_skips_blocks_on_both_sides():
-    pos = Positions(L=100, S=100, is_causal=False, left=10, right=5, offset=0)
-    blocks = _blocked.plan_blocks(pos, 10, 10)
+    pos = Band(L=100, S=100, is_causal=False, left=10, right=5, offset=0)
+    blocks = band_plan(pos, 10, 10)
     middle = blocks[5]  # queries 50..59 reach keys 40..64
     assert (middle.tiles[0].start, middle.tiles[-1].stop) == (40, 65)
     assert sum(t.stop - t.start for b in blocks for t in b.tiles) < 100 * len(blocks) // 3
@@ -269,13 +278,13 @@ def test_window_plan_skips_blocks_on_both_sides():
 def test_blocked_computes_only_the_planned_tiles(monkeypatch):
     """Count score tiles actually formed: causal skips every tile above the diagonal."""
     formed = []
-    original = _blocked.tile_scores
+    original = blocked.tile_scores
 
-    def counting(p, q, k, mask, bias, rows, cols):
+    def counting(p, ops, q_rows, rows, cols, **kwargs):
         formed.append((rows.start, rows.stop, cols.start, cols.stop))
-        return original(p, q, k, mask, bias, rows, cols)
+        return original(p, ops, q_rows, rows, cols, **kwargs)
 
-    monkeypatch.setattr(_blocked, "tile_scores", counting)
+    monkeypatch.setattr(blocked, "tile_scores", counting)
     rng = np.random.default_rng(14)
     q, k, v = randn(rng, 3, 40, 4), randn(rng, 3, 40, 4), randn(rng, 3, 40, 4)
     sdpa_array.scaled_dot_product_attention(
@@ -284,9 +293,7 @@ def test_blocked_computes_only_the_planned_tiles(monkeypatch):
     assert formed, "the blocked implementation formed no tile"
     for q0, q1, k0, _ in formed:
         assert k0 <= q1 - 1, f"tile {q0}:{q1} x {k0}: is entirely above the diagonal"
-    planned = _blocked.plan_blocks(
-        Positions(L=40, S=40, is_causal=True, left=None, right=None, offset=0), 8, 8
-    )
+    planned = band_plan(Band(L=40, S=40, is_causal=True, left=None, right=None, offset=0), 8, 8)
     # the 3 batch elements share one tile (they fit the tile budget together)
     assert sorted(formed) == sorted(
         (b.start, b.stop, t.start, t.stop) for b in planned for t in b.tiles
@@ -312,20 +319,20 @@ def test_memory_is_o_block_not_o_scores():
     finally:
         tracemalloc.stop()
     assert out.shape == (1, L, 8)
-    tiles_alive = 3 * _parallel.get_num_threads() * _blocked.TILE_BYTES  # s, exp(s), slack
+    tiles_alive = 3 * parallel.get_num_threads() * tiling.TILE_BYTES  # s, exp(s), slack
     assert peak < tiles_alive + 8 * q.nbytes
     assert peak < score_bytes / 8
 
 
 def test_auto_uses_blocked_for_large_score_matrices(monkeypatch):
     calls = []
-    original = _blocked.blocked_attention
+    row = _dispatch.IMPLEMENTATIONS["blocked"]
 
     def spy(*args, **kwargs):
         calls.append(kwargs)
-        return original(*args, **kwargs)
+        return row.forward(*args, **kwargs)
 
-    monkeypatch.setattr(sdpa_array._api, "blocked_attention", spy)
+    monkeypatch.setitem(_dispatch.IMPLEMENTATIONS, "blocked", dataclasses.replace(row, forward=spy))
     rng = np.random.default_rng(16)
     big = rng.standard_normal((1, 2048, 4), dtype=np.float32)  # 16 MiB of float32 scores
     sdpa_array.scaled_dot_product_attention(big, big, big)
@@ -356,19 +363,19 @@ def problem(L, S, dtype=np.float32):
 
 
 def test_automatic_block_sizes():
-    assert _blocked.choose_block_sizes(problem(5, 7)) == (5, 7)
-    bq, bk = _blocked.choose_block_sizes(problem(4096, 4096))
-    assert bq * bk * 4 <= _blocked.TILE_BYTES
+    assert tiling.choose_block_sizes(problem(5, 7)) == (5, 7)
+    bq, bk = tiling.choose_block_sizes(problem(4096, 4096))
+    assert bq * bk * 4 <= tiling.TILE_BYTES
     assert bk >= 1024
     assert bq >= 128
-    bq64, bk64 = _blocked.choose_block_sizes(problem(4096, 4096, np.float64))
-    assert bq64 * bk64 * 8 <= _blocked.TILE_BYTES
+    bq64, bk64 = tiling.choose_block_sizes(problem(4096, 4096, np.float64))
+    assert bq64 * bk64 * 8 <= tiling.TILE_BYTES
     # balanced: no sliver of a last block
-    _, bk = _blocked.choose_block_sizes(problem(64, _blocked.MAX_BLOCK_K + 4))
-    assert bk % _blocked.BLOCK_ALIGN == 0
-    assert (_blocked.MAX_BLOCK_K + 4) % bk > bk // 2
-    assert _blocked.choose_block_sizes(problem(100, 100), 7, None)[0] == 7
-    assert _blocked.choose_block_sizes(problem(100, 100), 1000, 1000) == (100, 100)
+    _, bk = tiling.choose_block_sizes(problem(64, tiling.MAX_BLOCK_K + 4))
+    assert bk % tiling.BLOCK_ALIGN == 0
+    assert (tiling.MAX_BLOCK_K + 4) % bk > bk // 2
+    assert tiling.choose_block_sizes(problem(100, 100), 7, None)[0] == 7
+    assert tiling.choose_block_sizes(problem(100, 100), 1000, 1000) == (100, 100)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
@@ -391,7 +398,7 @@ def test_thread_pool_gives_identical_results(monkeypatch):
     q, k, v = randn(rng, 2, 3, 50, 8), randn(rng, 2, 3, 60, 8), randn(rng, 2, 3, 60, 8)
     results = []
     for threads in (1, 3):
-        monkeypatch.setattr(_parallel, "_override", threads)
+        monkeypatch.setattr(parallel, "_override", threads)
         results.append(
             sdpa_array.scaled_dot_product_attention(
                 q, k, v, is_causal=True, return_lse=True, block_q=7, block_k=9
@@ -402,34 +409,34 @@ def test_thread_pool_gives_identical_results(monkeypatch):
 
 
 def test_thread_configuration(monkeypatch):
-    monkeypatch.setattr(_parallel, "_override", None)
-    monkeypatch.setenv(_parallel.ENV_VAR, "3")
-    assert _parallel.get_num_threads() == 3
-    monkeypatch.setenv(_parallel.ENV_VAR, "zero")
-    with pytest.raises(ValueError, match=_parallel.ENV_VAR):
-        _parallel.get_num_threads()
-    monkeypatch.delenv(_parallel.ENV_VAR)
-    assert 1 <= _parallel.get_num_threads() <= _parallel.DEFAULT_MAX_THREADS
-    _parallel.set_num_threads(2)
-    assert _parallel.get_num_threads() == 2
-    _parallel.set_num_threads(None)
+    monkeypatch.setattr(parallel, "_override", None)
+    monkeypatch.setenv(parallel.ENV_VAR, "3")
+    assert parallel.get_num_threads() == 3
+    monkeypatch.setenv(parallel.ENV_VAR, "zero")
+    with pytest.raises(ValueError, match=parallel.ENV_VAR):
+        parallel.get_num_threads()
+    monkeypatch.delenv(parallel.ENV_VAR)
+    assert 1 <= parallel.get_num_threads() <= parallel.DEFAULT_MAX_THREADS
+    parallel.set_num_threads(2)
+    assert parallel.get_num_threads() == 2
+    parallel.set_num_threads(None)
     with pytest.raises(ValueError, match="positive int"):
-        _parallel.set_num_threads(0)
+        parallel.set_num_threads(0)
 
 
 def test_pool_only_for_numpy(backend, monkeypatch):
     """Other libraries run blocks one after the other, in the calling thread."""
     import threading
 
-    monkeypatch.setattr(_parallel, "_override", 4)
+    monkeypatch.setattr(parallel, "_override", 4)
     xp = backend.namespace()
     threads = set()
-    _parallel.map_blocks(
-        sdpa_array._compat.array_namespace({"x": backend.asarray(np.zeros(2), "float32")}),
+    parallel.map_blocks(
+        array_namespace({"x": backend.asarray(np.zeros(2), "float32")}),
         lambda item: threads.add(threading.get_ident()),
         list(range(8)),
     )
-    if backend.id == "numpy":
+    if backend.library == "numpy":
         assert threading.get_ident() not in threads
     else:
         assert threads == {threading.get_ident()}, xp.__name__

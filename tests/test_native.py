@@ -1,7 +1,10 @@
 """Delegation to native kernels: which calls delegate (and to which kernel), which refuse,
 each delegation against the float64 oracle, and the ``"auto"`` rule.
 
-Native kernels exist for torch and JAX; for the other backends every test here is skipped.
+Native kernels exist for the libraries of
+:data:`sdpa_array._kernels.native.NATIVE_KERNELS` (torch and JAX): the tests of delegation
+run on those backends (``native_backend``), the refusal of the others on the rest
+(``non_native_backend``).
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ import numpy as np
 import pytest
 
 import sdpa_array
-from sdpa_array import _api, _native, reference
-from sdpa_array._native import CannotDelegateError, Request, plan_native
-from sdpa_array._problem import validate
+from sdpa_array import CannotDelegateError, _dispatch, reference
+from sdpa_array._kernels import native
+from sdpa_array._kernels.native import Request, plan_native
+from sdpa_array._problem import Inputs, validate
+from sdpa_array.testing.backends import BACKENDS
+from tests.conftest import NATIVE_LIBRARIES, NATIVE_LSE_CPU_ONLY, NATIVE_REFUSED_DTYPES
 from tests.helpers import (
     assert_array_like,
     assert_close,
@@ -23,9 +29,9 @@ from tests.helpers import (
     output_bound,
     rounded,
     score_error,
+    spy_native_kernels,
 )
 
-NATIVE_LIBRARIES = {"torch", "jax"}
 TORCH_PUBLIC = "torch.nn.functional.scaled_dot_product_attention"
 TORCH_CPU_FLASH = "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu"
 JAX = "jax.nn.dot_product_attention"
@@ -35,19 +41,11 @@ def randn(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return rng.standard_normal(shape)
 
 
-@pytest.fixture
-def native_backend(backend_dtype):
-    backend, dtype = backend_dtype
-    if backend.library not in NATIVE_LIBRARIES:
-        pytest.skip(f"no native kernel for {backend.library}")
-    return backend, dtype
-
-
 def make_request(backend, dtype, q, k, v, mask=None, bias=None, *, lse=False, weights=False):
     xq, xk, xv = (backend.asarray(a, dtype) for a in (q, k, v))
     xmask = None if mask is None else backend.asarray(mask)
     xbias = None if bias is None else backend.asarray(bias, dtype)
-    return Request(xq, xk, xv, xmask, xbias, weights, lse)
+    return Request(Inputs(xq, xk, xv, xmask, xbias), weights, lse)
 
 
 def plan(backend, dtype, q_shape, k_shape, v_shape, mask_shape=None, bias_shape=None, **kw):
@@ -74,7 +72,8 @@ def plan(backend, dtype, q_shape, k_shape, v_shape, mask_shape=None, bias_shape=
         "enable_gqa": False,
         **kw,
     }
-    p = validate(req.query, req.key, req.value, mask=req.mask, bias=req.bias, **options)
+    x = req.inputs
+    p = validate(x.query, x.key, x.value, mask=x.mask, bias=x.bias, **options)
     try:
         return plan_native(p, req)
     except CannotDelegateError as exc:
@@ -119,11 +118,17 @@ OUT_ONLY = [
     ids=[c[0] for c in OUT_ONLY],
 )
 def test_which_calls_delegate(
-    native_backend, q_shape, k_shape, v_shape, mask_shape, bias_shape, options, torch_k, jax_k
+    native_backend_dtype,
+    q_shape,
+    k_shape,
+    v_shape,
+    mask_shape,
+    bias_shape,
+    options,
+    torch_k,
+    jax_k,
 ):
-    backend, dtype = native_backend
-    if dtype == "float64" and backend.library == "jax":
-        jax_k = None  # JAX's softmax runs in float32
+    backend, dtype = native_backend_dtype
     expected = torch_k if backend.library == "torch" else jax_k
     result = plan(backend, dtype, q_shape, k_shape, v_shape, mask_shape, bias_shape, **options)
     if expected is None:
@@ -134,17 +139,56 @@ def test_which_calls_delegate(
         assert result.kernel == expected
 
 
-def test_lse_and_weights_delegation(native_backend):
-    backend, dtype = native_backend
+@pytest.mark.parametrize(
+    ("q_shape", "k_shape", "v_shape", "mask_shape", "bias_shape", "options", "torch_k", "jax_k"),
+    [c[1:] for c in OUT_ONLY],
+    ids=[c[0] for c in OUT_ONLY],
+)
+def test_refused_dtypes(
+    native_refused_backend_dtype,
+    q_shape,
+    k_shape,
+    v_shape,
+    mask_shape,
+    bias_shape,
+    options,
+    torch_k,
+    jax_k,
+):
+    """In the dtypes of ``NATIVE_REFUSED_DTYPES`` nothing delegates (output, log-sum-exp or
+    weights), and a call the library's kernels take in other dtypes names the dtype's reason."""
+    backend, dtype = native_refused_backend_dtype
+    reason = NATIVE_REFUSED_DTYPES[backend.library][dtype]
+    shapes = (q_shape, k_shape, v_shape, mask_shape, bias_shape)
+    for flags in ({}, {"lse": True}, {"weights": True}):
+        result = plan(backend, dtype, *shapes, **flags, **options)
+        assert isinstance(result, CannotDelegateError), f"delegated to {result}"
+    elsewhere = torch_k if backend.library == "torch" else jax_k
+    if elsewhere is not None:
+        assert reason in str(plan(backend, dtype, *shapes, **options))
+
+
+def test_the_stated_rules_are_about_native_libraries():
+    """The rules that narrow the native fixtures (``tests/conftest.py``) name libraries of
+    the delegation table and dtypes of their backends."""
+    assert set(NATIVE_REFUSED_DTYPES) <= NATIVE_LIBRARIES
+    assert NATIVE_LSE_CPU_ONLY <= NATIVE_LIBRARIES
+    for library, refused in NATIVE_REFUSED_DTYPES.items():
+        dtypes = {d for b in BACKENDS if b.library == library for d in b.dtypes}
+        assert set(refused) <= dtypes
+        assert dtypes - set(refused), f"{library}: native would never delegate"
+
+
+def test_lse_and_weights_delegation(native_backend_dtype):
+    backend, dtype = native_backend_dtype
     on_cpu = backend.device == "cpu"
     result = plan(backend, dtype, B4, BK4, BK4, lse=True)
-    if backend.library == "torch":
-        expected = TORCH_CPU_FLASH if on_cpu else None
-    else:
-        expected = None if dtype == "float64" else JAX
+    # torch's kernel that returns the log-sum-exp is CPU-only
+    expected = {"torch": TORCH_CPU_FLASH if on_cpu else None, "jax": JAX}[backend.library]
     for res in (result, plan(backend, dtype, B4, BK4, BK4, weights=True)):
         if expected is None:
             assert isinstance(res, CannotDelegateError)
+            assert "CPU-only" in str(res)
         else:
             assert res.kernel == expected
     # The kernels that return the log-sum-exp need Ev == E.
@@ -154,10 +198,8 @@ def test_lse_and_weights_delegation(native_backend):
         assert "Ev == E" in str(mismatched)
 
 
-def test_positional_masks_are_built_only_when_needed(native_backend):
-    backend, dtype = native_backend
-    if backend.library == "jax" and dtype == "float64":
-        pytest.skip("JAX does not delegate float64")
+def test_positional_masks_are_built_only_when_needed(native_backend_dtype):
+    backend, dtype = native_backend_dtype
     assert not plan(backend, dtype, B4, BK4, BK4, is_causal=True).builds_mask
     square = (2, 3, 9, 8)
     bottom_right = plan(
@@ -168,30 +210,28 @@ def test_positional_masks_are_built_only_when_needed(native_backend):
     assert plan(backend, dtype, B4, BK4, BK4, window=(3, 0)).builds_mask
 
 
-@pytest.mark.parametrize(
-    ("library", "message"),
-    [("numpy", "no kernel for numpy"), ("strict", "no kernel for array_api_strict")],
-)
-def test_libraries_without_kernels_refuse(library, message):
-    from sdpa_array.backends import get_backend
-
-    backend = get_backend(library)
-    if not backend.is_available():
-        pytest.skip(f"{library} is not installed")
-    q = backend.asarray(np.zeros((2, 4, 3)), "float32")
-    with pytest.raises(CannotDelegateError, match=message):
+def test_libraries_without_kernels_refuse(non_native_backend):
+    q = non_native_backend.asarray(np.zeros((2, 4, 3)), "float32")
+    with pytest.raises(CannotDelegateError, match=f"no kernel for {non_native_backend.library}"):
         sdpa_array.scaled_dot_product_attention(q, q, q, implementation="native")
-
-
-def test_refusal_names_every_kernel_and_reason(native_backend):
-    backend, dtype = native_backend
-    q = backend.asarray(np.zeros((2, 4, 3)), dtype)
     with pytest.raises(CannotDelegateError) as info:
-        sdpa_array.scaled_dot_product_attention(q, q, q, softcap=2.0, implementation="native")
-    kernels = [row.kernel for row in _native.NATIVE_KERNELS if row.library == backend.library]
-    for kernel in kernels:
-        assert kernel in str(info.value)
-    assert "softcap" in str(info.value)
+        sdpa_array.scaled_dot_product_attention(q, q, q, return_lse=True, implementation="native")
+    for library in NATIVE_LIBRARIES:  # and says where native kernels exist
+        assert library in str(info.value)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_refusal_names_every_kernel_and_reason(native_backend, return_lse):
+    kernels = [row.kernel for row in native.NATIVE_KERNELS if row.library == native_backend.library]
+    for dtype in native_backend.dtypes:  # refused dtypes too: the softcap reason comes first
+        q = native_backend.asarray(np.zeros((2, 4, 3)), dtype)
+        with pytest.raises(CannotDelegateError) as info:
+            sdpa_array.scaled_dot_product_attention(
+                q, q, q, softcap=2.0, return_lse=return_lse, implementation="native"
+            )
+        for kernel in kernels:
+            assert kernel in str(info.value)
+        assert "softcap" in str(info.value)
 
 
 def test_block_sizes_do_not_apply_to_native(backend):
@@ -228,28 +268,6 @@ def check_output_only(backend, dtype, q, k, v, *, mask=None, bias=None, **option
     )
     assert_close(out, ref, bound)
     return out
-
-
-def spy_kernels(monkeypatch) -> list[str]:
-    """Record each native kernel that runs (the table's rows wrapped at their call)."""
-    called: list[str] = []
-    rows = []
-    for row in _native.NATIVE_KERNELS:
-
-        def plan_and_record(p, req, plan=row.plan, kernel=row.kernel):
-            delegation = plan(p, req)
-
-            def run(run=delegation.run):
-                called.append(kernel)
-                return run()
-
-            return _native.Delegation(
-                delegation.kernel, delegation.memory_efficient, delegation.builds_mask, run
-            )
-
-        rows.append(_native.NativeKernel(row.kernel, row.library, plan_and_record))
-    monkeypatch.setattr(_native, "NATIVE_KERNELS", tuple(rows))
-    return called
 
 
 # (id, q, k, v shapes, options, mask shape, bias shape); lengths L != S in both directions.
@@ -305,12 +323,10 @@ def oracle_inputs(case_id, q_shape, k_shape, mask_shape, bias_shape):
     ids=[c[0] for c in ORACLE_CASES],
 )
 def test_output_delegation_matches_oracle(
-    native_backend, monkeypatch, case_id, q_shape, k_shape, options, mask_shape, bias_shape
+    native_backend_dtype, monkeypatch, case_id, q_shape, k_shape, options, mask_shape, bias_shape
 ):
-    backend, dtype = native_backend
-    if backend.library == "jax" and dtype == "float64":
-        pytest.skip("JAX does not delegate float64 (its softmax runs in float32)")
-    called = spy_kernels(monkeypatch)
+    backend, dtype = native_backend_dtype
+    called = spy_native_kernels(monkeypatch)
     rng, mask, bias = oracle_inputs(case_id, q_shape, k_shape, mask_shape, bias_shape)
     check_output_only(
         backend,
@@ -331,14 +347,17 @@ def test_output_delegation_matches_oracle(
     ids=[c[0] for c in ORACLE_CASES],
 )
 def test_lse_and_weights_delegation_matches_oracle(
-    native_backend, monkeypatch, case_id, q_shape, k_shape, options, mask_shape, bias_shape
+    native_lse_backend_dtype,
+    monkeypatch,
+    case_id,
+    q_shape,
+    k_shape,
+    options,
+    mask_shape,
+    bias_shape,
 ):
-    backend, dtype = native_backend
-    if backend.library == "jax" and dtype == "float64":
-        pytest.skip("JAX does not delegate float64 (its softmax runs in float32)")
-    if backend.library == "torch" and backend.device != "cpu":
-        pytest.skip("torch's kernel returning the log-sum-exp is CPU-only")
-    called = spy_kernels(monkeypatch)
+    backend, dtype = native_lse_backend_dtype
+    called = spy_native_kernels(monkeypatch)
     rng, mask, bias = oracle_inputs(case_id, q_shape, k_shape, mask_shape, bias_shape)
     _, _, lse = check_against_oracle(
         backend,
@@ -372,9 +391,10 @@ def chosen(backend, q, k, v, *, return_weights=False, return_lse=False, blocks=(
         **kw,
     }
     p = validate(q, k, v, mask=None, bias=None, **options)
-    req = Request(q, k, v, None, None, return_weights, return_lse)
-    impl = _api._choose(p, "auto", req, blocks)
-    return getattr(impl, "func", impl).__name__
+    req = Request(Inputs(q, k, v), return_weights, return_lse)
+    choice = _dispatch.choose(p, "auto", blocks, request=req)
+    assert choice.automatic
+    return choice.name
 
 
 def lazy_zeros(backend, shape, dtype="float32"):
@@ -388,19 +408,15 @@ def test_auto_rule(backend):
     small = lazy_zeros(backend, (1, 2, 64, 8))
     large = lazy_zeros(backend, (1, 2, 2048, 8))  # 32 MiB of float32 scores
     native = backend.library in NATIVE_LIBRARIES
-    assert chosen(backend, small, small, small) == (
-        "native_attention" if native else "materialized_attention"
-    )
-    assert chosen(backend, small, small, small, return_weights=True) == "materialized_attention"
-    assert chosen(backend, small, small, small, softcap=2.0) == "materialized_attention"
-    assert chosen(backend, small, small, small, blocks=(16, None)) == "blocked_attention"
-    assert chosen(backend, large, large, large, softcap=2.0) == "blocked_attention"
+    assert chosen(backend, small, small, small) == ("native" if native else "materialized")
+    assert chosen(backend, small, small, small, return_weights=True) == "materialized"
+    assert chosen(backend, small, small, small, softcap=2.0) == "materialized"
+    assert chosen(backend, small, small, small, blocks=(16, None)) == "blocked"
+    assert chosen(backend, large, large, large, softcap=2.0) == "blocked"
     # a large call goes native only to a memory-efficient kernel that needs no built mask
-    torch_cpu = backend.library == "torch"
-    assert chosen(backend, large, large, large) == (
-        "native_attention" if torch_cpu else "blocked_attention"
-    )
-    assert chosen(backend, large, large, large, window=(64, 0)) == "blocked_attention"
+    torch = backend.library == "torch"
+    assert chosen(backend, large, large, large) == ("native" if torch else "blocked")
+    assert chosen(backend, large, large, large, window=(64, 0)) == "blocked"
     assert chosen(backend, large, large, large, is_causal=True) == (
-        "native_attention" if torch_cpu else "blocked_attention"
+        "native" if torch else "blocked"
     )

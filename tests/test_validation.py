@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 import sdpa_array
+from sdpa_array import _dispatch
 
 F = np.float32
 
@@ -185,16 +187,27 @@ def test_bad_input_on_every_backend(backend):
 
 def test_errors_are_raised_before_any_work(monkeypatch):
     """Validation runs first: a failing call never reaches an implementation."""
-    from sdpa_array import _api
 
     def fail(*args, **kwargs):
         raise AssertionError("an implementation ran before validation finished")
 
-    monkeypatch.setattr(_api, "IMPLEMENTATIONS", {name: fail for name in _api.IMPLEMENTATIONS})
-    with pytest.raises(ValueError, match="scale"):
-        call(scale=-1.0, implementation="materialized")
-    with pytest.raises(TypeError, match="mask"):
-        call(mask=np.ones((5, 6), dtype=F), implementation="materialized")
+    failing = {
+        name: dataclasses.replace(row, forward=fail, backward=row.backward and fail)
+        for name, row in _dispatch.IMPLEMENTATIONS.items()
+    }
+    monkeypatch.setattr(_dispatch, "IMPLEMENTATIONS", failing)
+    with pytest.raises(AssertionError, match="before validation"):  # the table is used
+        call(implementation="materialized")
+    for implementation in failing:
+        with pytest.raises(ValueError, match="scale"):
+            call(scale=-1.0, implementation=implementation)
+        with pytest.raises(TypeError, match="mask"):
+            call(mask=np.ones((5, 6), dtype=F), implementation=implementation)
+    for implementation in (n for n, row in failing.items() if row.backward is not None):
+        with pytest.raises(ValueError, match="scale"):
+            sdpa_array.scaled_dot_product_attention_vjp(
+                Q, K, V, np.ones((2, 4, 5, 3), F), scale=-1.0, implementation=implementation
+            )
 
 
 def test_zero_width_features_use_unit_scale():
