@@ -7,6 +7,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+from pathlib import Path
 
 import nox
 
@@ -111,3 +114,34 @@ def bench(session: nox.Session) -> None:
         env={"SDPA_BENCH_PROFILE": os.environ.get("SDPA_BENCH_PROFILE", "quick")},
     )
     session.run("asv", "publish")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build the sdist and wheel, check them with twine, then install the wheel in a fresh venv.
+
+    The installed package runs its demo and imports its public subpackages from outside the
+    source tree, so a module or data file missing from the wheel fails here.
+    """
+    session.install("build", "twine")
+    tmp = Path(session.create_tmp()).resolve()
+    dist = tmp / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("python", "-m", "build", "--outdir", str(dist))
+    built = sorted(str(p) for p in dist.iterdir())
+    session.run("twine", "check", "--strict", *built)
+
+    (wheel,) = dist.glob("*.whl")
+    venv = tmp / "wheel-venv"
+    shutil.rmtree(venv, ignore_errors=True)
+    session.run("python", "-m", "venv", str(venv))
+    python = str(venv / ("Scripts" if sys.platform == "win32" else "bin") / "python")
+    session.run(python, "-m", "pip", "install", str(wheel), external=True)
+    session.chdir(tmp)
+    session.run(python, "-m", "sdpa_array", "demo", "--backend", "numpy", external=True)
+    session.run(
+        python,
+        "-c",
+        "import sdpa_array, sdpa_array.testing, sdpa_array.lab; print(sdpa_array.__version__)",
+        external=True,
+    )
