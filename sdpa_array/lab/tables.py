@@ -238,9 +238,11 @@ def table_worked_example(r: WorkedExample) -> str:
     ]
     table = format_table(["figure", "published", "exact", "correctly rounded", "verdict"], rows)
     wrong = len(r.discrepancies)
-    return (
-        "\n".join(parts) + "\n" + table + f"\n{wrong} published figures are wrong beyond rounding"
+    check = (
+        "Each hand-computed (published, rounded) figure of the example against the exact "
+        "value: 'ok' if it is the exact value rounded to its own last digit, 'WRONG' if not."
     )
+    return "\n".join([*parts, check, table, f"{wrong} published figures are wrong beyond rounding"])
 
 
 def pattern_text(weights: np.ndarray) -> str:
