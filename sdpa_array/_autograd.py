@@ -84,22 +84,16 @@ def _torch_backward_choice(
     return None
 
 
-def _differentiable(x: Inputs) -> tuple[Array, ...]:
-    return (x.query, x.key, x.value, x.bias)
-
-
 def _torch_needs_grad(x: Inputs) -> bool:
     import torch
 
-    return torch.is_grad_enabled() and any(
-        a is not None and a.requires_grad for a in _differentiable(x)
-    )
+    return torch.is_grad_enabled() and any(a.requires_grad for a in x.differentiable)
 
 
 def _jax_traced(x: Inputs) -> bool:
     import jax
 
-    return any(isinstance(a, jax.core.Tracer) for a in _differentiable(x))
+    return any(isinstance(a, jax.core.Tracer) for a in x.differentiable)
 
 
 def _out_and_lse(choice: Choice, p: Problem, x: Inputs) -> tuple[Array, Array]:

@@ -108,6 +108,11 @@ class Inputs:
     mask: Array = None
     bias: Array = None
 
+    @property
+    def differentiable(self) -> tuple[Array, ...]:
+        """``(query, key, value)``, and ``bias`` when given: the inputs with a gradient."""
+        return (self.query, self.key, self.value) + (() if self.bias is None else (self.bias,))
+
 
 def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
     try:

@@ -97,8 +97,7 @@ def finalize(
 
 def zero_gradients(p: Problem, x: Inputs) -> tuple[Array, ...]:
     """Gradients when nothing reaches the output (``L == 0`` or ``S == 0``): zeros."""
-    inputs = [x.query, x.key, x.value] + ([x.bias] if x.bias is not None else [])
-    return tuple(p.xp.zeros(a.shape, dtype=a.dtype, device=p.device) for a in inputs)
+    return tuple(p.xp.zeros(a.shape, dtype=a.dtype, device=p.device) for a in x.differentiable)
 
 
 def finish_gradients(p: Problem, x: Inputs, raw: RawGrads) -> tuple[Array, ...]:
@@ -107,12 +106,10 @@ def finish_gradients(p: Problem, x: Inputs, raw: RawGrads) -> tuple[Array, ...]:
     Returns ``(grad_query, grad_key, grad_value)`` and ``grad_bias`` when there is a bias.
     """
     xp = p.xp
-    inputs = [x.query, x.key, x.value]
     grads = [ungroup(p, raw.dq), raw.dk, raw.dv]
     if x.bias is not None:
-        inputs.append(x.bias)
         grads.append(ungroup(p, raw.dbias))
     return tuple(
         xp.astype(sum_to_shape(xp, g, tuple(a.shape)), a.dtype, copy=False)
-        for g, a in zip(grads, inputs, strict=True)
+        for g, a in zip(grads, x.differentiable, strict=True)
     )

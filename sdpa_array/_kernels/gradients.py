@@ -31,7 +31,39 @@ from .operands import Operands, prepare, prepare_rows, tile_scores
 from .slicing import at_batch
 from .softmax import exp_shift, safe_reciprocal, safe_row_max
 
-__all__ = ["BackwardOperands", "TileGrads", "prepare_backward", "row_delta", "tile_gradients"]
+__all__ = [
+    "BackwardOperands",
+    "RowOperands",
+    "TileGrads",
+    "prepare_backward",
+    "row_delta",
+    "tile_gradients",
+]
+
+
+@dataclass(frozen=True)
+class RowOperands:
+    """The backward operands of some query rows, shared by all the tiles of those rows.
+
+    Attributes
+    ----------
+    q, d_out : array
+        Prepared query and output cotangent, ``(..., rows, E|Ev)``.
+    lse : array or None
+        Safe log-sum-exp ``(..., rows, 1)`` for ``P = exp(Z - lse)``; ``None`` when each
+        tile holds every admissible key of its rows, so that its own softmax is ``P``.
+    delta : array or None
+        ``D`` of the rows, ``(..., rows, 1)`` (see :func:`row_delta`); ``None`` to compute it
+        from the tile as ``rowsum(P * dP)``, which needs the tile to hold whole rows.
+    grad_lse : array or None
+        Log-sum-exp cotangent ``(..., rows, 1)``; used only when ``delta`` is ``None``.
+    """
+
+    q: Array
+    d_out: Array
+    lse: Array = None
+    delta: Array = None
+    grad_lse: Array = None
 
 
 @dataclass(frozen=True)
@@ -68,17 +100,18 @@ class BackwardOperands:
             *(at_batch(a, index) for a in (self.d_out, self.out, self.lse, self.grad_lse)),
         )
 
-    def rows(self, p: Problem, rows: slice) -> tuple[Array, Array, Array, Array]:
-        """``(q, d_out, lse, delta)`` of the query rows ``rows``.
+    def rows(self, p: Problem, rows: slice) -> RowOperands:
+        """The operands of the query rows ``rows``.
 
-        ``lse`` and ``delta`` (``D`` of :func:`row_delta`) are ``None`` without a saved
-        forward pass; each tile must then hold whole rows.
+        Without a saved forward pass ``lse`` and ``delta`` are ``None``: each tile must then
+        hold whole rows.
         """
         q, d_out = self.ops.q[..., rows, :], self.d_out[..., rows, :]
-        if self.lse is None:
-            return q, d_out, None, None
         g = None if self.grad_lse is None else self.grad_lse[..., rows, :]
-        return q, d_out, self.lse[..., rows, :], row_delta(p, d_out, self.out[..., rows, :], g)
+        if self.lse is None:
+            return RowOperands(q, d_out, grad_lse=g)
+        delta = row_delta(p, d_out, self.out[..., rows, :], g)
+        return RowOperands(q, d_out, self.lse[..., rows, :], delta, g)
 
 
 @dataclass(frozen=True)
@@ -143,14 +176,10 @@ def row_delta(p: Problem, d_out: Array, out: Array, grad_lse: Array) -> Array:
 def tile_gradients(
     p: Problem,
     ops: Operands,
-    q_rows: Array,
-    d_out_rows: Array,
+    r: RowOperands,
     rows: slice,
     cols: slice,
     *,
-    lse_rows: Array,
-    delta_rows: Array,
-    grad_lse_rows: Array,
     need_dz: bool,
 ) -> TileGrads:
     """Gradient contributions of the (``rows``, ``cols``) tile.
@@ -161,35 +190,27 @@ def tile_gradients(
         The validated call.
     ops : Operands
         The prepared operands (keys, values and terms are cut to ``cols`` here).
-    q_rows, d_out_rows : array
-        Prepared query and output cotangent cut to ``rows``.
+    r : RowOperands
+        The operands of the tile's query rows (:meth:`BackwardOperands.rows`).
     rows, cols : slice
         Query and key index ranges of the tile.
-    lse_rows : array or None
-        Safe log-sum-exp of the rows, ``(..., rows, 1)``, for ``P = exp(Z - lse)``; ``None``
-        when the tile holds every admissible key of its rows, so that its own softmax is
-        ``P``.
-    delta_rows : array or None
-        ``D`` of the rows, ``(..., rows, 1)`` (see :func:`row_delta`); ``None`` to compute it
-        from the tile as ``rowsum(P * dP)``, which needs the tile to hold whole rows.
-    grad_lse_rows : array or None
-        Log-sum-exp cotangent ``(..., rows, 1)``; used only when ``delta_rows`` is ``None``.
     need_dz : bool
         Whether to return the score gradient (for ``dBias``).
     """
     xp = p.xp
     k = ops.k[..., cols, :]
     v = ops.v[..., cols, :]
-    s, factor = tile_scores(p, ops, q_rows, rows, cols, need_factor=True)
-    prob = _probabilities(p, s, lse_rows)
+    s, factor = tile_scores(p, ops, r.q, rows, cols, need_factor=True)
+    prob = _probabilities(p, s, r.lse)
     del s
-    d_prob = xp.matmul(d_out_rows, xp.matrix_transpose(v))
-    if delta_rows is None:
-        delta_rows = xp.vecdot(prob, d_prob)[..., None]
-        if grad_lse_rows is not None:
-            delta_rows = delta_rows - grad_lse_rows
-    dz = inplace.multiply(inplace.subtract(d_prob, delta_rows), prob)  # P * (dP - D)
-    dv = xp.matmul(xp.matrix_transpose(merge_groups(p, prob)), merge_groups(p, d_out_rows))
+    d_prob = xp.matmul(r.d_out, xp.matrix_transpose(v))
+    delta = r.delta
+    if delta is None:
+        delta = xp.vecdot(prob, d_prob)[..., None]
+        if r.grad_lse is not None:
+            delta = delta - r.grad_lse
+    dz = inplace.multiply(inplace.subtract(d_prob, delta), prob)  # P * (dP - D)
+    dv = xp.matmul(xp.matrix_transpose(merge_groups(p, prob)), merge_groups(p, r.d_out))
     del prob
     if factor is None:
         ds = dz
@@ -200,5 +221,5 @@ def tile_gradients(
     dq = xp.matmul(ds, k)
     if factor is None:
         dq = inplace.multiply(dq, p.scale)
-    dk = xp.matmul(xp.matrix_transpose(merge_groups(p, ds)), merge_groups(p, q_rows))
+    dk = xp.matmul(xp.matrix_transpose(merge_groups(p, ds)), merge_groups(p, r.q))
     return TileGrads(dq=dq, dk=dk, dv=dv, dz=dz if need_dz else None)

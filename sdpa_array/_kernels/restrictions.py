@@ -132,13 +132,13 @@ class Band:
         row = xp.arange(rows.start, rows.stop, device=device)[:, None]
         col = xp.arange(cols.start, cols.stop, device=device)[None, :]
         rel = col - row - self.offset  # j - diag(i)
-        allowed = xp.ones((rows.stop - rows.start, cols.stop - cols.start), dtype=xp.bool)
         upper = self._upper()
-        if upper is not None:
-            allowed = rel <= upper
-        if self.left is not None:
-            allowed = xp.logical_and(allowed, rel >= -self.left)
-        return allowed
+        below = None if upper is None else rel <= upper
+        if self.left is None:
+            # a full-width tile is never asked for (Restrictions skips FULL tiles)
+            return below if below is not None else xp.ones(rel.shape, dtype=xp.bool)
+        above = rel >= -self.left
+        return above if below is None else xp.logical_and(below, above)
 
     def at(self, index: tuple[int, ...]) -> Band:
         return self

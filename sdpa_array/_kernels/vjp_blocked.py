@@ -88,25 +88,14 @@ def _query_block(
     """Add the contributions of one query block's tiles to ``sums`` (index ``()``)."""
     xp, ops = p.xp, b.ops
     rows = slice(block.start, block.stop)
-    q, d_out, lse, delta = b.rows(p, rows)
+    r = b.rows(p, rows)
     bias = ops.terms.bias
+    lead_k = ops.k.shape[:-3] if p.grouped else ops.k.shape[:-2]
+    lead_v = ops.v.shape[:-3] if p.grouped else ops.v.shape[:-2]
     for a, z in block.tiles:
         cols = slice(a, z)
-        t = tile_gradients(
-            p,
-            ops,
-            q,
-            d_out,
-            rows,
-            cols,
-            lse_rows=lse,
-            delta_rows=delta,
-            grad_lse_rows=None if b.grad_lse is None else b.grad_lse[..., rows, :],
-            need_dz=bias is not None,
-        )
+        t = tile_gradients(p, ops, r, rows, cols, need_dz=bias is not None)
         _add(sums.dq, block.start, t.dq)
-        lead_k = ops.k.shape[:-3] if p.grouped else ops.k.shape[:-2]
-        lead_v = ops.v.shape[:-3] if p.grouped else ops.v.shape[:-2]
         dk = sum_to_shape(xp, t.dk, (*lead_k, z - a, p.E))
         dv = sum_to_shape(xp, t.dv, (*lead_v, z - a, p.Ev))
         for c, piece in _grid_pieces(plan, a, z):

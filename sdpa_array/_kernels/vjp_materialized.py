@@ -33,17 +33,5 @@ def materialized_vjp(
     """
     b = prepare_backward(p, x, grad_output, out=out, lse=lse, grad_lse=grad_lse)
     rows = slice(0, p.L)
-    q, d_out, lse_rows, delta = b.rows(p, rows)
-    t = tile_gradients(
-        p,
-        b.ops,
-        q,
-        d_out,
-        rows,
-        slice(0, p.S),
-        lse_rows=lse_rows,
-        delta_rows=delta,
-        grad_lse_rows=b.grad_lse,
-        need_dz=x.bias is not None,
-    )
+    t = tile_gradients(p, b.ops, b.rows(p, rows), rows, slice(0, p.S), need_dz=x.bias is not None)
     return RawGrads(dq=t.dq, dk=t.dk, dv=t.dv, dbias=t.dz)
