@@ -4,20 +4,25 @@ For each selected backend (from :mod:`sdpa_array.testing.backends`) it times, in
 process on the same inputs, ``scaled_dot_product_attention(..., implementation="auto")``,
 torch's ``scaled_dot_product_attention`` (on the very same memory: NumPy arrays are viewed
 as torch tensors without a copy), the naive three-step computation, and the two matrix
-products of the same shapes alone; it prints medians, the throughput ratio to torch, the
-achieved GFLOP/s and the GEMM-bound fraction. ``--memory`` adds the peak resident memory
+products of the same shapes alone; causal rows also time our non-causal call in the same
+rounds, for the causal speedup. It prints one Markdown table row per measurement as soon as
+that measurement ends: medians and their min-max range over the rounds, the throughput
+ratio to torch, the achieved GFLOP/s and the GEMM-bound fraction, every ratio a ratio of
+medians of the same interleaved run. Progress lines (``[2/4] measuring numpy float32 causal
+1x8x4096x4096x64 (5 rounds) ...``) go to stderr. ``--memory`` adds the peak resident memory
 of a long single-head call.
 
 The timing helpers here are shared with the asv suite in ``asv_benchmarks/``, so both
 measure the same way: GPU work is synchronized before the clock is read, each callable runs
-once as warm-up, and repetitions of the candidates are interleaved so that a noisy machine
-slows all of them alike.
+once as warm-up, and repetitions of the candidates are interleaved (each round starting one
+candidate later) so that a noisy machine slows all of them alike.
 
 Examples
 --------
 ``python -m sdpa_array bench`` (NumPy and torch, B=1, H=8, L=S=4096, E=64, float32),
 ``python -m sdpa_array bench --backends all --quick``,
-``python -m sdpa_array bench --shape 1,8,1024,64 --repeat 9 --memory``.
+``python -m sdpa_array bench --shape 1,8,1024,64 --repeat 9 --memory``,
+``python -m sdpa_array bench --backends numpy --shape 1,1,64,16 --repeat 1`` (seconds).
 """
 
 from __future__ import annotations
@@ -131,14 +136,19 @@ def interleaved_times(
 ) -> dict[str, list[float]]:
     """Wall-clock seconds of each candidate, ``repeat`` rounds, candidates interleaved.
 
-    Each call's result is passed to ``sync`` (device synchronization, Dask compute) before
-    the clock stops; ``warmup`` untimed rounds come first.
+    Every round calls each candidate once; round ``r`` starts with the candidate ``r``
+    places after the first (in ``candidates``' order, wrapping around), so that no candidate
+    always runs right after the same one. Each call's result is passed to ``sync`` (device
+    synchronization, Dask compute) before the clock stops; ``warmup`` untimed rounds come
+    first. The lists keep the order of the timed rounds.
     """
-    times: dict[str, list[float]] = {name: [] for name in candidates}
+    names = list(candidates)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(warmup + repeat):
-        for name, fn in candidates.items():
+        shift = round_ % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
             start = time.perf_counter()
-            sync(fn())
+            sync(candidates[name]())
             elapsed = time.perf_counter() - start
             if round_ >= warmup:
                 times[name].append(elapsed)
@@ -175,45 +185,97 @@ def peak_rss_growth(fn: Callable[[], Any]) -> float | None:
     return float(peak - before)
 
 
+def _decimals(seconds: float) -> int:
+    """Decimals that show ``seconds`` in milliseconds to about three significant digits."""
+    ms = seconds * 1e3
+    return 1 if ms >= 10 else 2 if ms >= 1 else 3
+
+
+def _ms(seconds: float, decimals: int | None = None) -> str:
+    """Milliseconds, with ``decimals`` (by default those :func:`_decimals` chooses)."""
+    return f"{seconds * 1e3:.{_decimals(seconds) if decimals is None else decimals}f}"
+
+
+def _median_range(times: list[float] | None) -> str:
+    """``median (min-max)`` in milliseconds, all three to the median's decimals; ``-`` if none."""
+    if not times:
+        return "-"
+    median = statistics.median(times)
+    d = _decimals(median)
+    return f"{_ms(median, d)} ({_ms(min(times), d)}-{_ms(max(times), d)})"
+
+
+def _shape_text(shape: tuple[int, int, int, int]) -> str:
+    B, H, L, E = shape
+    return f"{B}x{H}x{L}x{L}x{E}"
+
+
+@dataclass(frozen=True)
+class _Case:
+    """One row to measure: a backend, a shape ``(B, H, L, E)`` with ``S = L``, causal or not."""
+
+    backend: Backend
+    shape: tuple[int, int, int, int]
+    causal: bool
+
+    def describe(self, dtype: str) -> str:
+        kind = "causal" if self.causal else "non-causal"
+        return f"{self.backend.id} {dtype} {kind} {_shape_text(self.shape)}"
+
+
 @dataclass
 class _Row:
-    backend: str
-    shape: str
-    causal: bool
-    ours: float
-    torch: float | None
-    naive: float | None
-    products: float | None
-    flops: float
+    """A measured case: seconds per timed round of each candidate, from one interleaved run.
+
+    Candidates: ``ours``, ``naive``, ``products``, ``torch`` (absent where torch cannot use
+    the backend's memory) and, in causal rows, ``ours_full`` (our non-causal call).
+    """
+
+    case: _Case
+    times: dict[str, list[float]]
+
+    def median(self, name: str) -> float | None:
+        samples = self.times.get(name)
+        return statistics.median(samples) if samples else None
 
     def cells(self) -> list[str]:
-        def ms(t: float | None) -> str:
-            return "-" if t is None else f"{t * 1e3:.1f}"
-
-        ratio = "-" if self.torch is None else f"{self.torch / self.ours:.2f}"
-        naive = "-" if self.naive is None else f"{self.naive / self.ours:.2f}"
-        useful = self.flops / (4.0 * _shape_pairs(self.shape) * _shape_e(self.shape))
-        fraction = "-" if self.products is None else f"{self.products * useful / self.ours:.2f}"
+        B, H, L, E = self.case.shape
+        flops = attention_flops(B, H, L, L, E, E, self.case.causal)
+        ours = statistics.median(self.times["ours"])  # always a candidate
+        torch, naive, products = self.median("torch"), self.median("naive"), self.median("products")
+        # the products are timed on the whole (L, S) matrix; scale them to the admissible pairs
+        useful = flops / (4.0 * B * H * L * L * E)
         return [
-            self.backend,
-            self.shape,
-            "yes" if self.causal else "no",
-            ms(self.ours),
-            ms(self.torch),
-            ratio,
-            ms(self.naive),
-            naive,
-            f"{self.flops / self.ours / 1e9:.0f}",
-            fraction,
+            self.case.backend.id,
+            _shape_text(self.case.shape),
+            "yes" if self.case.causal else "no",
+            _median_range(self.times["ours"]),
+            _median_range(self.times.get("torch")),
+            "-" if torch is None else f"{torch / ours:.2f}",
+            "-" if naive is None else _ms(naive),
+            "-" if naive is None else f"{naive / ours:.2f}",
+            f"{flops / ours / 1e9:.0f}",
+            "-" if products is None else f"{products * useful / ours:.2f}",
         ]
+
+    def causal_note(self) -> str | None:
+        """The causal speedup over our non-causal call, for causal rows."""
+        causal, full = self.median("ours"), self.median("ours_full")
+        if not self.case.causal or causal is None or full is None:
+            return None
+        return (
+            f"{self.case.backend.id} {_shape_text(self.case.shape)}: is_causal=True takes "
+            f"{causal / full:.2f}x the time of is_causal=False ({full / causal:.2f}x faster; "
+            "medians of the same interleaved rounds)"
+        )
 
 
 HEADER = [
     "backend",
     "B x H x L x S x E",
     "causal",
-    "auto ms",
-    "torch ms",
+    "auto ms (min-max)",
+    "torch ms (min-max)",
     "torch/auto",
     "naive ms",
     "naive/auto",
@@ -221,22 +283,17 @@ HEADER = [
     "GEMM-bound",
 ]
 
-
-def _shape_pairs(shape: str) -> int:
-    B, H, L, S, _ = (int(n) for n in shape.split("x"))
-    return B * H * L * S
+#: Column widths for numbers not known before they are measured (wider cells still print).
+_MIN_WIDTHS = [0, 0, 0, 22, 22, 0, 0, 0, 0, 0]
 
 
-def _shape_e(shape: str) -> int:
-    return int(shape.split("x")[-1])
-
-
-def _measure(
-    backend: Backend, shape: tuple[int, int, int, int], causal: bool, dtype: str, repeat: int
-) -> _Row:
+def _measure(case: _Case, dtype: str, repeat: int) -> _Row:
+    """Time the candidates of ``case`` in one interleaved run."""
     import sdpa_array
 
-    q, k, v = make_inputs(backend, shape, dtype)
+    backend = case.backend
+    q, k, v = make_inputs(backend, case.shape, dtype)
+    causal = case.causal
     candidates: dict[str, Callable[[], Any]] = {
         "ours": lambda: sdpa_array.scaled_dot_product_attention(q, k, v, is_causal=causal),
         "naive": lambda: naive_attention(q, k, v, is_causal=causal),
@@ -247,30 +304,48 @@ def _measure(
         candidates["torch"] = lambda: peer(q, k, v, is_causal=causal)
     except NotImplementedError:
         pass
-    times = {
-        n: statistics.median(t)
-        for n, t in interleaved_times(candidates, backend.synchronize, repeat).items()
-    }
-    B, H, L, E = shape
-    return _Row(
-        backend=backend.id,
-        shape=f"{B}x{H}x{L}x{L}x{E}",
-        causal=causal,
-        ours=times["ours"],
-        torch=times.get("torch"),
-        naive=times["naive"],
-        products=times["products"],
-        flops=attention_flops(B, H, L, L, E, E, causal),
-    )
+    if causal:
+        candidates["ours_full"] = lambda: sdpa_array.scaled_dot_product_attention(q, k, v)
+    return _Row(case, interleaved_times(candidates, backend.synchronize, repeat))
 
 
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
-    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(HEADER, widths, strict=True)) + " |"]
-    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        lines.append("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |")
-    return "\n".join(lines)
+class _Table:
+    """A Markdown table printed one row at a time, its widths fixed by the header line."""
+
+    def __init__(self, cases: list[_Case]) -> None:
+        known = [0] * len(HEADER)  # widest cell known before measuring, per column
+        known[0] = max([len(c.backend.id) for c in cases], default=0)
+        known[1] = max([len(_shape_text(c.shape)) for c in cases], default=0)
+        self.widths = [
+            max(len(h), m, k) for h, m, k in zip(HEADER, _MIN_WIDTHS, known, strict=True)
+        ]
+
+    def header(self) -> str:
+        head = " | ".join(h.ljust(w) for h, w in zip(HEADER, self.widths, strict=True))
+        return f"| {head} |\n|" + "|".join("-" * (w + 2) for w in self.widths) + "|"
+
+    def row(self, cells: list[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, self.widths, strict=True)) + " |"
+
+
+def _emit(text: str) -> None:
+    """Print ``text`` on stdout now (flushed, also when stdout is a pipe or a file)."""
+    print(text, flush=True)
+
+
+def _progress(text: str) -> None:
+    """Print a progress line on stderr now."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _parse_shape(text: str) -> tuple[int, int, int, int]:
@@ -281,7 +356,7 @@ def _parse_shape(text: str) -> tuple[int, int, int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the comparison and print a Markdown table.
+    """Run the comparison, printing each Markdown table row as soon as it is measured.
 
     Returns the exit status: 0, or 2 if a backend named with ``--backends`` is not available
     here (unknown ids exit with 2 through argparse).
@@ -289,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sdpa_array bench",
         description="Time scaled_dot_product_attention (implementation='auto') against "
-        "torch's native kernel and the naive three steps, on the same data, interleaved.",
+        "torch's native kernel and the naive three steps, on the same data, interleaved. "
+        "Rows are printed as they are measured; progress goes to stderr.",
     )
     parser.add_argument(
         "--backends",
@@ -297,9 +373,19 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated backend ids, or 'all' for every installed one "
         f"({', '.join(b.id for b in BACKENDS)}); default: numpy, and torch if installed",
     )
-    parser.add_argument("--shape", type=_parse_shape, default=None, help="B,H,L,E (L = S)")
+    parser.add_argument(
+        "--shape",
+        type=_parse_shape,
+        default=None,
+        help="B,H,L,E (L = S); default 1,8,4096,64 (1,8,1024,64 with --quick)",
+    )
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--repeat", type=int, default=None, help="timed rounds (median)")
+    parser.add_argument(
+        "--repeat",
+        type=_positive_int,
+        default=None,
+        help="timed interleaved rounds per row (median, min-max); default 5 (3 with --quick)",
+    )
     parser.add_argument("--quick", action="store_true", help="B,H,L,E = 1,8,1024,64, 3 rounds")
     parser.add_argument(
         "--memory",
@@ -323,35 +409,47 @@ def main(argv: list[str] | None = None) -> int:
         if not report_unavailable(chosen):
             return 2
 
-    from .._kernels import parallel
-
-    print(
-        f"# sdpa_array bench: {args.dtype}, median of {repeat} interleaved rounds, "
-        f"{os.cpu_count()} CPUs, {parallel.get_num_threads()} NumPy block threads"
-    )
-    rows: list[_Row] = []
-    notes = []
+    cases: list[_Case] = []
     for backend in chosen:
         if args.dtype not in backend.dtypes:
             print(f"skipping {backend.id}: no {args.dtype}", file=sys.stderr)
             continue
-        backend.configure()  # JAX float64, highest matmul precision, no TF32
-        full, causal = (_measure(backend, shape, c, args.dtype, repeat) for c in (False, True))
-        rows += [full, causal]
-        notes.append(
-            f"{backend.id}: is_causal=True takes {causal.ours / full.ours:.2f}x the time of "
-            f"is_causal=False ({full.ours / causal.ours:.2f}x faster)"
-        )
+        cases += [_Case(backend, shape, False), _Case(backend, shape, True)]
         if backend.library == "torch" and shape != (1, 8, 1024, 64) and not args.quick:
-            rows.append(_measure(backend, (1, 8, 1024, 64), False, args.dtype, repeat))
-    print(_table([row.cells() for row in rows]))
-    print(
+            # torch tensors at the size of the "within 5% of torch" target
+            cases.append(_Case(backend, (1, 8, 1024, 64), False))
+    steps = len(cases) + (1 if args.memory else 0)
+
+    from .._kernels import parallel
+
+    _emit(
+        f"# sdpa_array bench: {args.dtype}, times in ms as median (min-max) of {repeat} "
+        f"interleaved rounds, {os.cpu_count()} CPUs, "
+        f"{parallel.get_num_threads()} NumPy block threads"
+    )
+    table = _Table(cases)
+    _emit(table.header())
+    notes = []
+    configured: set[str] = set()
+    for step, case in enumerate(cases, start=1):
+        _progress(f"[{step}/{steps}] measuring {case.describe(args.dtype)} ({repeat} rounds) ...")
+        if case.backend.id not in configured:
+            case.backend.configure()  # JAX float64, highest matmul precision, no TF32
+            configured.add(case.backend.id)
+        row = _measure(case, args.dtype, repeat)
+        _emit(table.row(row.cells()))
+        note = row.causal_note()
+        if note is not None:
+            notes.append(note)
+    _emit(
         "torch/auto > 1: ours is faster. GEMM-bound: time of the two products alone (scaled "
-        "to the admissible pairs) / our time. GFLOP/s count 2*(E+Ev) per admissible pair."
+        "to the admissible pairs) / our time. GFLOP/s count 2*(E+Ev) per admissible pair. "
+        "Ratios are of medians of the same interleaved rounds."
     )
     for note in notes:
-        print(note)
+        _emit(note)
     if args.memory:
+        _progress(f"[{steps}/{steps}] measuring numpy {args.dtype} memory, L = S = 32768 ...")
         _memory_row(args.dtype)
     return 0
 
@@ -373,7 +471,7 @@ def _memory_row(dtype: str) -> None:
         tracemalloc.stop()
     scores = L * L * np.dtype(dtype).itemsize
     text = "n/a (needs Linux /proc)" if growth is None else f"{growth / 2**20:.1f} MiB"
-    print(
+    _emit(
         f"\nmemory: numpy 1x1x{L}x{L}x64 {dtype}, implementation='auto': peak RSS growth "
         f"{text}, peak of NumPy allocations (tracemalloc) {allocated / 2**20:.1f} MiB "
         f"(inputs {inputs / 2**20:.0f} MiB; one score matrix {scores / 2**30:.0f} GiB)"

@@ -4,11 +4,10 @@ NumPy runs its matrix products on a multi-threaded BLAS, but ``exp``, ``max``, `
 ``where`` on one core. The blocked implementation's query blocks are independent and NumPy
 releases the GIL inside its loops, so a small thread pool runs the element-wise work of
 several blocks at once. While the pool runs, BLAS is limited to one thread per call (with
-`threadpoolctl <https://github.com/joblib/threadpoolctl>`_): each of our threads then does
-its own products, instead of every product starting BLAS's threads on cores that are
-already busy. Without the BLAS limit our threads and BLAS's oversubscribe the cores, so
-without ``threadpoolctl`` the default is to run blocks one after the other
-(docs/performance.md has the measurements).
+`threadpoolctl <https://github.com/joblib/threadpoolctl>`_, a dependency of this package):
+each of our threads then does its own products, instead of every product starting BLAS's
+threads on cores that are already busy, which would oversubscribe them (docs/performance.md
+has the measurements).
 
 Other libraries parallelise (torch, JAX on CPU), defer (Dask) or queue on a device (CuPy,
 CUDA) by themselves, so for them blocks always run one after the other here.
@@ -18,7 +17,7 @@ Configuration, in order of precedence:
 1. :func:`set_num_threads` (``None`` restores the default);
 2. the environment variable ``SDPA_ARRAY_NUM_THREADS`` (read at each call);
 3. the default: the number of CPUs this process may use, at most
-   :data:`DEFAULT_MAX_THREADS`, if ``threadpoolctl`` is installed; else 1.
+   :data:`DEFAULT_MAX_THREADS`.
 
 ``1`` disables the pool.
 """
@@ -26,13 +25,13 @@ Configuration, in order of precedence:
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.util
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import TypeVar
+
+from threadpoolctl import ThreadpoolController
 
 from .._compat import namespace_name
 
@@ -63,6 +62,13 @@ _override: int | None = None
 def set_num_threads(n: int | None) -> None:
     """Set the number of threads for NumPy blocks (``1`` = sequential, ``None`` = default).
 
+    Parameters
+    ----------
+    n
+        Threads for the blocked path on NumPy arrays, process-wide; takes precedence over
+        ``SDPA_ARRAY_NUM_THREADS``. ``None`` restores the default (that variable if set,
+        else the number of CPUs this process may use, at most 4).
+
     Raises
     ------
     ValueError
@@ -81,16 +87,16 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-@functools.cache
-def _has_threadpoolctl() -> bool:
-    return importlib.util.find_spec("threadpoolctl") is not None
-
-
 def get_num_threads() -> int:
     """Threads the NumPy blocked path uses now.
 
-    :func:`set_num_threads`'s value if set, else ``SDPA_ARRAY_NUM_THREADS``, else the usable
-    CPUs (at most 4) when threadpoolctl is installed, else 1.
+    :func:`set_num_threads`'s value if set, else ``SDPA_ARRAY_NUM_THREADS``, else the number
+    of CPUs this process may use, at most 4.
+
+    Returns
+    -------
+    int
+        The pool size; ``1`` means the blocks run one after the other.
 
     Raises
     ------
@@ -108,8 +114,6 @@ def get_num_threads() -> int:
         if value < 1:
             raise ValueError(f"{ENV_VAR} must be a positive integer, got {raw!r}")
         return value
-    if not _has_threadpoolctl():
-        return 1
     return max(1, min(_cpus(), DEFAULT_MAX_THREADS))
 
 
@@ -129,22 +133,15 @@ def map_blocks(xp: ModuleType, fn: Callable[[T], R], items: Sequence[T]) -> list
         return list(pool.map(fn, items))
 
 
-_controller: Any = None
+# Created at the first pooled call: building it inspects the loaded native libraries.
+_controller: ThreadpoolController | None = None
 
 
 @contextlib.contextmanager
 def _single_threaded_blas() -> Iterator[None]:
-    """Limit BLAS to one thread per call while the pool runs (process-wide, restored after).
-
-    Does nothing without ``threadpoolctl``.
-    """
+    """Limit BLAS to one thread per call while the pool runs (process-wide, restored after)."""
     global _controller
-    if not _has_threadpoolctl():
-        yield
-        return
     if _controller is None:
-        from threadpoolctl import ThreadpoolController
-
         _controller = ThreadpoolController()
     with _controller.limit(limits=1, user_api="blas"):
         yield
