@@ -12,10 +12,12 @@ from importlib.metadata import PackageNotFoundError, version
 from ._api import scaled_dot_product_attention, scaled_dot_product_attention_vjp
 from ._kernels.native import CannotDelegateError
 from ._kernels.parallel import get_num_threads, set_num_threads
+from ._merge import merge_attention_states
 
 __all__ = [
     "CannotDelegateError",
     "get_num_threads",
+    "merge_attention_states",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_vjp",
     "set_num_threads",
