@@ -13,17 +13,28 @@ query row (an ``(..., L, S, S)`` array), rather than using the FlashAttention sh
 Semantics
 ---------
 With ``Q`` of shape ``(..., Hq, L, E)``, ``K`` of shape ``(..., Hkv, S, E)`` and ``V`` of
-shape ``(..., Hkv, S, Ev)`` (the heads axis is optional, leading batch axes broadcast):
+shape ``(..., Hkv, S, Ev)`` (the heads axis is optional, leading batch axes broadcast). The
+*batch shape* is the broadcast leading shape without the heads axis (``()`` for 2-D inputs);
+``b`` below is one batch element, ``i`` a query and ``j`` a key.
 
-1. ``z = (Q Kᵀ) * scale`` with ``scale = 1/sqrt(E)`` by default;
+1. ``z = (Q Kᵀ) * scale`` with ``scale = 1/sqrt(E)`` by default; ``scale`` may be a number
+   or a 0-d array of any library, positive and finite;
 2. if ``softcap`` is given, ``z = softcap * tanh(z / softcap)``;
 3. if ``bias`` is given, ``z = z + bias``;
-4. keys excluded by ``mask`` (``False``), ``is_causal``, ``window`` or a ``-inf`` score get
-   ``-inf``;
+4. key ``j`` is excluded for query ``i`` (its score becomes ``-inf``) where
+
+   a. ``mask`` is ``False``, or ``z`` is ``-inf``;
+   b. ``i >= query_lengths[b]`` (padded query) or ``j >= key_lengths[b]`` (padded key);
+   c. ``query_segments[b, i] != key_segments[b, j]`` (``segment_ids``, packed documents);
+   d. ``is_causal`` and ``j > diag``, or ``window=(left, right)`` and ``j`` is outside
+      ``[diag - left, diag + right]``, where ``diag = i`` for ``alignment="top_left"`` and
+      ``diag = i + key_lengths[b] - query_lengths[b]`` for ``"bottom_right"`` (lengths not
+      given count as ``L`` and ``S``);
+
 5. ``P = softmax(z)`` row-wise and ``out = P V``.
 
-A query row with no admissible key yields an output row of zeros, weights of zeros and a
-log-sum-exp of ``-inf``.
+A query row with no admissible key (padded queries among them) yields an output row of
+zeros, weights of zeros and a log-sum-exp of ``-inf``, and has no gradient.
 
 Examples
 --------
@@ -39,9 +50,11 @@ array([[0.75, 0.25]])
 array([[0.75]])
 
 Every feature gets its own code here first, independent of the fast paths: the package holds
-the conversion to NumPy (``_convert``), the forward pass with its index grids
-(``_forward``), the public forward functions (``_attention``), the adjoints of broadcasting
-(``_adjoints``) and the gradients (``_vjp``).
+the conversion to NumPy (``_convert``), the index grids of step 4 b-d and the reading of
+``scale`` (``_restrictions``), the forward pass (``_forward``), the public forward functions
+(``_attention``), the adjoints of broadcasting (``_adjoints``) and the gradients (``_vjp``).
+The gradient of a ``scale`` given as an array is ``sum(dZ' * (Q Kᵀ))``, ``dZ'`` being the
+gradient with respect to the scaled scores of step 1.
 """
 
 from ._adjoints import sum_to_shape, unrepeat_heads

@@ -22,9 +22,12 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     window: tuple[int | None, int | None] | None = None,
     alignment: str = "top_left",
-    scale: float | None = None,
+    scale: Any = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    query_lengths: Any = None,
+    key_lengths: Any = None,
+    segment_ids: tuple[Any, Any] | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, ...]:
@@ -48,15 +51,30 @@ def scaled_dot_product_attention(
         ``(left, right)``: query ``i`` may attend key ``j`` only if
         ``diag(i) - left <= j <= diag(i) + right``; ``None`` leaves that side unbounded.
     alignment : {"top_left", "bottom_right"}, default "top_left"
-        ``diag(i)`` is ``i`` for ``"top_left"`` and ``i + S - L`` for ``"bottom_right"``.
-    scale : float, optional
-        Multiplier of ``Q Kᵀ``; defaults to ``1 / sqrt(E)``.
+        ``diag(i)`` is ``i`` for ``"top_left"``. For ``"bottom_right"`` it is
+        ``i + key_lengths[b] - query_lengths[b]`` in batch element ``b`` (``i + S - L``
+        without lengths), so that the last valid query faces the last valid key.
+    scale : float or 0-d array, optional
+        Multiplier of ``Q Kᵀ``, positive and finite: a Python real, a NumPy scalar or a
+        0-d array of any supported library (read as float64). Defaults to ``1 / sqrt(E)``.
     softcap : float, optional
         If given (> 0), scaled scores become ``softcap * tanh(scores / softcap)`` before
         ``bias`` and the masks apply.
     enable_gqa : bool, default False
         Grouped-query attention: ``Hq`` must be a multiple of ``Hkv`` and query head ``h``
         uses key/value head ``h // (Hq // Hkv)``.
+    query_lengths : int or array_like of int, optional
+        Valid queries per batch element, broadcastable to the batch shape (the broadcast
+        leading axes before the heads axis; ``()`` for 2-D inputs), each in ``[0, L]``.
+        Query ``i >= query_lengths[b]`` is padding: it attends nothing, so its output row
+        is zero and its ``lse`` is ``-inf``.
+    key_lengths : int or array_like of int, optional
+        Valid keys per batch element, like ``query_lengths``, each in ``[0, S]``: key
+        ``j >= key_lengths[b]`` is excluded for every query of batch element ``b``.
+    segment_ids : pair of array_like of int, optional
+        ``(query_segments, key_segments)``, broadcastable to ``batch + (L,)`` and
+        ``batch + (S,)`` (no heads axis): query ``i`` may attend key ``j`` only if
+        ``query_segments[b, i] == key_segments[b, j]`` (packed documents).
     return_weights : bool, default False
         Also return the attention weights, shape ``(..., Hq, L, S)``.
     return_lse : bool, default False
@@ -74,10 +92,12 @@ def scaled_dot_product_attention(
     Raises
     ------
     ValueError
-        For inconsistent shapes, an unknown ``alignment``, a non-positive ``softcap`` or a
-        malformed ``window``.
+        For inconsistent shapes, an unknown ``alignment``, a non-positive ``softcap``, a
+        ``scale`` that is not positive and finite, a malformed ``window``, lengths outside
+        ``[0, L]`` / ``[0, S]``, or lengths or segment ids that do not broadcast.
     TypeError
-        If ``mask`` is not boolean.
+        If ``mask`` is not boolean, ``scale`` is not a real number or 0-d array, lengths
+        or segment ids are not integers, or ``segment_ids`` is not a pair.
 
     See Also
     --------
@@ -87,7 +107,10 @@ def scaled_dot_product_attention(
     -----
     A query row with no admissible key (all excluded, or ``S == 0``) gives an output row of
     zeros, weights of zeros and ``lse = -inf``; no NaN is produced and no floating-point
-    warning is raised.
+    warning is raised. Padded queries (``query_lengths``) are such rows.
+
+    Causal, window, lengths and segments are one boolean matrix built from index
+    arithmetic per batch element (see :mod:`sdpa_array.reference`).
 
     Examples
     --------
@@ -96,9 +119,30 @@ def scaled_dot_product_attention(
     >>> v = np.array([[1.0], [2.0]])
     >>> scaled_dot_product_attention(q, k, v, is_causal=True)[0]
     array([1.])
+
+    Two documents packed in one sequence attend only within themselves:
+
+    >>> q = k = np.zeros((3, 1))
+    >>> v = np.array([[1.0], [3.0], [5.0]])
+    >>> scaled_dot_product_attention(q, k, v, segment_ids=([0, 0, 1], [0, 0, 1]))
+    array([[2.],
+           [2.],
+           [5.]])
     """
     prep = validate_and_prepare(
-        query, key, value, mask, bias, window, alignment, scale, softcap, enable_gqa
+        query,
+        key,
+        value,
+        mask,
+        bias,
+        window,
+        alignment,
+        scale,
+        softcap,
+        enable_gqa,
+        query_lengths,
+        key_lengths,
+        segment_ids,
     )
     fwd = forward_pass(prep, is_causal, window, alignment, softcap)
     if not (return_weights or return_lse):
@@ -122,21 +166,38 @@ def intermediates(
     is_causal: bool = False,
     window: tuple[int | None, int | None] | None = None,
     alignment: str = "top_left",
-    scale: float | None = None,
+    scale: Any = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    query_lengths: Any = None,
+    key_lengths: Any = None,
+    segment_ids: tuple[Any, Any] | None = None,
 ) -> dict[str, Any]:
     """Every intermediate of the oracle's forward pass, in float64, for error analysis.
 
-    Takes the arguments of :func:`scaled_dot_product_attention` and returns a dict with
-    ``q``, ``k_rep`` and ``v_rep`` (keys and values with one head per query head), ``group``
-    (query heads per key/value head), the resolved ``scale``, ``raw`` (scaled scores before
-    the soft-cap), ``z`` (final scores, ``-inf`` where excluded), ``allowed`` (boolean, the
-    scores' shape), ``weights``, ``out`` and ``lse``. :mod:`sdpa_array.testing` derives the
+    Takes the arguments of :func:`scaled_dot_product_attention` (``scale`` as a number or a
+    0-d array, ``query_lengths``, ``key_lengths`` and ``segment_ids`` included) and returns
+    a dict with ``q``, ``k_rep`` and ``v_rep`` (keys and values with one head per query
+    head), ``group`` (query heads per key/value head), the resolved ``scale`` (a float),
+    ``raw`` (scaled scores before the soft-cap), ``z`` (final scores, ``-inf`` where
+    excluded), ``allowed`` (boolean, the scores' shape, every restriction included),
+    ``weights``, ``out`` and ``lse``. :mod:`sdpa_array.testing` derives the
     gradients' error bounds from them.
     """
     prep = validate_and_prepare(
-        query, key, value, mask, bias, window, alignment, scale, softcap, enable_gqa
+        query,
+        key,
+        value,
+        mask,
+        bias,
+        window,
+        alignment,
+        scale,
+        softcap,
+        enable_gqa,
+        query_lengths,
+        key_lengths,
+        segment_ids,
     )
     fwd = forward_pass(prep, is_causal, window, alignment, softcap)
     keep = ("q", "k_rep", "v_rep", "group", "scale")

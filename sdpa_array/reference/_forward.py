@@ -1,15 +1,19 @@
-"""The oracle's forward pass: validation, positional masks and every intermediate, in float64."""
+"""The oracle's forward pass: validation and every intermediate, in float64.
+
+Which keys a query may attend by index (causal, window, lengths, segments) is written in
+``_restrictions``; here it is combined with ``mask`` and ``-inf`` scores.
+"""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from ._convert import as_float64, to_numpy
+from ._restrictions import allowed_by_index, as_lengths, as_segments, resolve_scale
 
-__all__ = ["ALIGNMENTS", "forward_pass", "positional_mask", "validate_and_prepare"]
+__all__ = ["ALIGNMENTS", "forward_pass", "validate_and_prepare"]
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -22,16 +26,22 @@ def validate_and_prepare(
     bias: Any,
     window: Any,
     alignment: str,
-    scale: float | None,
+    scale: Any,
     softcap: float | None,
     enable_gqa: bool,
+    query_lengths: Any = None,
+    key_lengths: Any = None,
+    segment_ids: Any = None,
 ) -> dict[str, Any]:
     """Convert the inputs, check their shapes and expand GQA heads.
 
-    Returns a dict with float64 ``q``, ``k_rep``, ``v_rep`` (keys/values with one head per
-    query head), the original key/value shapes, ``group`` (query heads per key/value head,
-    1 without GQA), the resolved ``scale``, and ``mask`` / ``bias`` as NumPy arrays or
-    ``None``.
+    Returns a dict with float64 ``q``, ``k``, ``v`` and ``k_rep``, ``v_rep`` (keys/values
+    with one head per query head), ``group`` (query heads per key/value head, 1 without
+    GQA), the resolved ``scale`` (a float) and ``scale_is_array`` (whether it was given as
+    an array), ``mask`` / ``bias`` as NumPy arrays or ``None``, ``batch`` (the broadcast
+    leading shape without the heads axis), ``query_lengths`` / ``key_lengths`` (int64 of
+    shape ``batch``, ``L`` / ``S`` where not given) and ``segments`` (``None`` or the pair
+    of segment id arrays broadcast to ``batch + (L,)`` and ``batch + (S,)``).
     """
     q = as_float64(query)
     k = as_float64(key)
@@ -76,10 +86,16 @@ def validate_and_prepare(
         k_rep = np.repeat(k, group, axis=-3)
         v_rep = np.repeat(v, group, axis=-3)
 
-    e = q.shape[-1]
-    if scale is None:
-        # With E == 0 every score is 0 whatever the scale, so any finite value will do.
-        scale = 1.0 / math.sqrt(e) if e > 0 else 1.0
+    scale_value, scale_is_array = resolve_scale(scale, q.shape[-1])
+
+    # Batch shape: the broadcast leading axes of all three inputs, less the heads axis
+    # (-3) where there is one. Lengths and segment ids are per batch element, not per head.
+    lead = np.broadcast_shapes(q.shape[:-2], k_rep.shape[:-2], v_rep.shape[:-2])
+    batch = lead[:-1]
+    L, S = q.shape[-2], k.shape[-2]
+    q_lengths = as_lengths("query_lengths", query_lengths, batch, L)
+    k_lengths = as_lengths("key_lengths", key_lengths, batch, S)
+    segments = as_segments(segment_ids, batch, L, S)
 
     mask_np = None
     if mask is not None:
@@ -95,27 +111,15 @@ def validate_and_prepare(
         "k_rep": k_rep,
         "v_rep": v_rep,
         "group": group,
-        "scale": float(scale),
+        "scale": scale_value,
+        "scale_is_array": scale_is_array,
         "mask": mask_np,
         "bias": bias_np,
+        "batch": batch,
+        "query_lengths": q_lengths,
+        "key_lengths": k_lengths,
+        "segments": segments,
     }
-
-
-def positional_mask(L: int, S: int, is_causal: bool, window: Any, alignment: str) -> np.ndarray:
-    """Boolean ``(L, S)`` array: may query ``i`` attend key ``j`` by position alone."""
-    i = np.arange(L)[:, None]
-    j = np.arange(S)[None, :]
-    diag = i if alignment == "top_left" else i + (S - L)
-    allowed = np.ones((L, S), dtype=bool)
-    if is_causal:
-        allowed &= j <= diag
-    if window is not None:
-        left, right = window
-        if left is not None:
-            allowed &= j >= diag - int(left)
-        if right is not None:
-            allowed &= j <= diag + int(right)
-    return allowed
 
 
 def forward_pass(
@@ -141,7 +145,21 @@ def forward_pass(
         # Must broadcast *to* the scores' shape (it may not add batch axes).
         scores = scores + np.broadcast_to(prep["bias"], scores.shape)
 
-    allowed = np.broadcast_to(positional_mask(L, S, is_causal, window, alignment), scores.shape)
+    # Causal, window, lengths and segments: one (batch..., L, S) array, the same for every
+    # head (so a heads axis is inserted before L where the inputs have one).
+    by_index = allowed_by_index(
+        L,
+        S,
+        prep["query_lengths"],
+        prep["key_lengths"],
+        prep["segments"],
+        is_causal,
+        window,
+        alignment,
+    )
+    if lead:
+        by_index = by_index[..., None, :, :]
+    allowed = np.broadcast_to(by_index, scores.shape)
     if prep["mask"] is not None:
         allowed = allowed & np.broadcast_to(prep["mask"], scores.shape)
     # A -inf score (from the bias) excludes its key. (NaN is not excluded: it propagates.)

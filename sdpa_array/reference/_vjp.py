@@ -25,9 +25,12 @@ def scaled_dot_product_attention_vjp(
     is_causal: bool = False,
     window: tuple[int | None, int | None] | None = None,
     alignment: str = "top_left",
-    scale: float | None = None,
+    scale: Any = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    query_lengths: Any = None,
+    key_lengths: Any = None,
+    segment_ids: tuple[Any, Any] | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Reference vector-Jacobian product of :func:`scaled_dot_product_attention`.
 
@@ -37,8 +40,14 @@ def scaled_dot_product_attention_vjp(
         As in :func:`scaled_dot_product_attention`.
     grad_output : array_like
         Cotangent ``dO`` of the output, same shape as the output ``(..., Hq, L, Ev)``.
-    mask, bias, is_causal, window, alignment, scale, softcap, enable_gqa
+    mask, bias, is_causal, window, alignment, softcap, enable_gqa
         As in :func:`scaled_dot_product_attention`.
+    scale : float or 0-d array, optional
+        As in :func:`scaled_dot_product_attention`. Given as an array (anything with a
+        ``shape`` other than a NumPy scalar) it gets a gradient, ``grad_scale``.
+    query_lengths, key_lengths, segment_ids
+        As in :func:`scaled_dot_product_attention`. Padded queries and excluded keys get
+        no gradient and pass none on.
 
     Returns
     -------
@@ -51,6 +60,8 @@ def scaled_dot_product_attention_vjp(
     grad_bias : numpy.ndarray
         Only if ``bias`` is given: float64, same shape as ``bias`` (summed over the axes
         along which ``bias`` was broadcast).
+    grad_scale : numpy.ndarray
+        Only if ``scale`` is given as an array: a 0-d float64 array.
 
     Notes
     -----
@@ -62,7 +73,9 @@ def scaled_dot_product_attention_vjp(
       and rows without an admissible key get zero;
     * ``dBias = dZ``; through the softcap the scaled scores get
       ``dZ * (1 - tanh²(raw / softcap))``;
-    * ``dQ = scale * dRaw K`` and ``dK = scale * dRawᵀ Q``.
+    * ``dQ = scale * dRaw K`` and ``dK = scale * dRawᵀ Q``;
+    * ``dScale = sum(dRaw * (Q Kᵀ))`` over every batch entry, head, query and key (with
+      GQA, ``Q`` against the repeated keys).
 
     Every gradient is then summed back to the shape of its own input (broadcast batch
     axes, GQA head groups, broadcast bias axes).
@@ -76,9 +89,30 @@ def scaled_dot_product_attention_vjp(
     array([[0.33333333],
            [0.33333333],
            [0.33333333]])
+
+    A ``scale`` given as a 0-d array has a gradient too; here the scores are all equal, so
+    it is zero:
+
+    >>> dq, dk, dv, dscale = scaled_dot_product_attention_vjp(
+    ...     q, k, v, np.ones((1, 1)), scale=np.array(0.5)
+    ... )
+    >>> dscale
+    array(0.)
     """
     prep = validate_and_prepare(
-        query, key, value, mask, bias, window, alignment, scale, softcap, enable_gqa
+        query,
+        key,
+        value,
+        mask,
+        bias,
+        window,
+        alignment,
+        scale,
+        softcap,
+        enable_gqa,
+        query_lengths,
+        key_lengths,
+        segment_ids,
     )
     fwd = forward_pass(prep, is_causal, window, alignment, softcap)
     q, k_rep, v_rep = prep["q"], prep["k_rep"], prep["v_rep"]
@@ -119,4 +153,8 @@ def scaled_dot_product_attention_vjp(
     ]
     if prep["bias"] is not None:
         grads.append(sum_to_shape(d_Z, prep["bias"].shape))
+    if prep["scale_is_array"]:
+        # raw = scale * (Q @ Kᵀ): d scale = sum(dRaw * (Q @ Kᵀ)), over every entry.
+        qk = np.matmul(q, np.swapaxes(k_rep, -1, -2))
+        grads.append(np.asarray(np.sum(d_raw * qk), dtype=np.float64))
     return tuple(grads)
