@@ -34,9 +34,12 @@ def scaled_dot_product_attention(
     is_causal: bool = ...,
     window: tuple[int | None, int | None] | None = ...,
     alignment: Alignment = ...,
-    scale: float | None = ...,
+    scale: float | Array | None = ...,
     softcap: float | None = ...,
     enable_gqa: bool = ...,
+    query_lengths: int | Array | None = ...,
+    key_lengths: int | Array | None = ...,
+    segment_ids: tuple[Array, Array] | None = ...,
     return_weights: Literal[False] = ...,
     return_lse: Literal[False] = ...,
     implementation: ImplementationName = ...,
@@ -57,9 +60,12 @@ def scaled_dot_product_attention(
     is_causal: bool = ...,
     window: tuple[int | None, int | None] | None = ...,
     alignment: Alignment = ...,
-    scale: float | None = ...,
+    scale: float | Array | None = ...,
     softcap: float | None = ...,
     enable_gqa: bool = ...,
+    query_lengths: int | Array | None = ...,
+    key_lengths: int | Array | None = ...,
+    segment_ids: tuple[Array, Array] | None = ...,
     return_weights: Literal[True],
     return_lse: Literal[False] = ...,
     implementation: ImplementationName = ...,
@@ -80,9 +86,12 @@ def scaled_dot_product_attention(
     is_causal: bool = ...,
     window: tuple[int | None, int | None] | None = ...,
     alignment: Alignment = ...,
-    scale: float | None = ...,
+    scale: float | Array | None = ...,
     softcap: float | None = ...,
     enable_gqa: bool = ...,
+    query_lengths: int | Array | None = ...,
+    key_lengths: int | Array | None = ...,
+    segment_ids: tuple[Array, Array] | None = ...,
     return_weights: Literal[False] = ...,
     return_lse: Literal[True],
     implementation: ImplementationName = ...,
@@ -103,9 +112,12 @@ def scaled_dot_product_attention(
     is_causal: bool = ...,
     window: tuple[int | None, int | None] | None = ...,
     alignment: Alignment = ...,
-    scale: float | None = ...,
+    scale: float | Array | None = ...,
     softcap: float | None = ...,
     enable_gqa: bool = ...,
+    query_lengths: int | Array | None = ...,
+    key_lengths: int | Array | None = ...,
+    segment_ids: tuple[Array, Array] | None = ...,
     return_weights: Literal[True],
     return_lse: Literal[True],
     implementation: ImplementationName = ...,
@@ -125,9 +137,12 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     window: tuple[int | None, int | None] | None = None,
     alignment: Alignment = "top_left",
-    scale: float | None = None,
+    scale: float | Array | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    query_lengths: int | Array | None = None,
+    key_lengths: int | Array | None = None,
+    segment_ids: tuple[Array, Array] | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
     implementation: ImplementationName = "auto",
@@ -161,14 +176,37 @@ def scaled_dot_product_attention(
     alignment : {"top_left", "bottom_right"}, default "top_left"
         Where query ``i``'s diagonal sits when ``L != S``: key ``i`` (torch and JAX
         ``is_causal``) or key ``i + S - L`` (FlashAttention, KV-cache decoding).
-    scale : float, optional
-        Positive finite multiplier of ``Q Kᵀ``; default ``1 / sqrt(E)``.
+    scale : float or 0-d array, optional
+        Positive finite multiplier of ``Q Kᵀ``; default ``1 / sqrt(E)``. A real number
+        (Python or NumPy scalar), or a floating 0-d array of the inputs' library: then
+        gradients reach it (a learnable temperature under torch autograd or ``jax.grad``)
+        and :func:`scaled_dot_product_attention_vjp` returns ``grad_scale``. An array's
+        value is checked where it can be read; on lazy Dask arrays and JAX tracers it is
+        not, and a value that is not positive and finite is used as given.
     softcap : float, optional
         If given (> 0), scaled scores become ``softcap * tanh(scores / softcap)`` before the
         bias and the masks are applied.
     enable_gqa : bool, default False
         Grouped-query attention: ``Hq`` must be a multiple of ``Hkv`` and query head ``h``
         uses key/value head ``h // (Hq // Hkv)``.
+    query_lengths, key_lengths : int or integer array, optional
+        Valid queries and keys per sequence, broadcastable to the batch shape without the
+        heads axis (the axes before axis -3; a scalar applies to every sequence): an int, a
+        NumPy array, or an array of the inputs' library. Query ``i >= query_lengths[b]``
+        is padding (its output row is zero, its log-sum-exp ``-inf``, and it contributes
+        nothing to any gradient); key ``j >= key_lengths[b]`` is excluded for every query
+        of sequence ``b``. With ``alignment="bottom_right"``, query ``i``'s diagonal is key
+        ``i + key_lengths[b] - query_lengths[b]`` (FlashAttention's varlen and KV-cache
+        rule). Values outside ``[0, L]`` / ``[0, S]`` are a ``ValueError`` where they can
+        be read; on lazy Dask arrays and JAX tracers they are clipped instead. Where the
+        values are on the host (ints, NumPy, CPU arrays) the blocked path skips the tiles
+        they exclude.
+    segment_ids : (array, array), optional
+        ``(query_segments, key_segments)``: integer arrays broadcastable to
+        ``batch + (L,)`` and ``batch + (S,)`` (``batch`` without the heads axis). Query
+        ``i`` may attend key ``j`` only if their ids are equal (several documents packed
+        into one row); combines with every other restriction. Host-readable ids let the
+        blocked path skip the tiles between documents.
     return_weights : bool, default False
         Also return the attention weights ``(..., Hq, L, S)``.
     return_lse : bool, default False
@@ -250,10 +288,13 @@ def scaled_dot_product_attention(
         scale=scale,
         softcap=softcap,
         enable_gqa=enable_gqa,
+        query_lengths=query_lengths,
+        key_lengths=key_lengths,
+        segment_ids=segment_ids,
     )
     check_flag("return_weights", return_weights)
     check_flag("return_lse", return_lse)
-    x = Inputs(query, key, value, mask, bias)
+    x = Inputs(query, key, value, mask, bias, p.scale if p.scale_is_array else None)
     request = Request(x, return_weights, return_lse)
     choice = choose(p, implementation, (block_q, block_k), request=request)
     if p.S == 0 or p.L == 0:
@@ -297,18 +338,21 @@ def scaled_dot_product_attention_vjp(
     is_causal: bool = False,
     window: tuple[int | None, int | None] | None = None,
     alignment: Alignment = "top_left",
-    scale: float | None = None,
+    scale: float | Array | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    query_lengths: int | Array | None = None,
+    key_lengths: int | Array | None = None,
+    segment_ids: tuple[Array, Array] | None = None,
     implementation: VJPImplementationName = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> tuple[Array, ...]:
     r"""Gradients of :func:`scaled_dot_product_attention` for an output cotangent.
 
-    Returns ``(dL/dQ, dL/dK, dL/dV[, dL/dBias])`` for ``L = sum(out * grad_output)``: the
-    vector-Jacobian product, on any Array-API library, including those without autograd
-    (NumPy, CuPy, array-api-strict, Dask).
+    Returns ``(dL/dQ, dL/dK, dL/dV[, dL/dBias][, dL/dscale])`` for
+    ``L = sum(out * grad_output)``: the vector-Jacobian product, on any Array-API library,
+    including those without autograd (NumPy, CuPy, array-api-strict, Dask).
 
     Parameters
     ----------
@@ -318,6 +362,9 @@ def scaled_dot_product_attention_vjp(
         Cotangent of the output: exactly the output's shape, same library and dtype.
     mask, bias, is_causal, window, alignment, scale, softcap, enable_gqa
         As for :func:`scaled_dot_product_attention`; ``mask`` has no gradient.
+    query_lengths, key_lengths, segment_ids
+        As for :func:`scaled_dot_product_attention`; they have no gradient, and padded
+        queries and excluded keys get gradients of exactly zero.
     implementation : {"auto", "materialized", "blocked"}, default "auto"
         ``"materialized"`` forms the full score matrix once; ``"blocked"`` works tile by
         tile in ``O(block_q * block_k)`` memory per batch element, skipping the tiles that
@@ -336,6 +383,8 @@ def scaled_dot_product_attention_vjp(
     grad_bias : array
         Only if ``bias`` is given: same shape and dtype as ``bias``, summed over the axes
         along which it was broadcast.
+    grad_scale : array
+        Only if ``scale`` is an array: 0-d, with the dtype of ``scale``.
 
     Raises
     ------
@@ -357,7 +406,8 @@ def scaled_dot_product_attention_vjp(
         = (dO \odot O)_i \mathbf{1}, \quad dZ = P \odot (dP - D),
 
     ``dBias = dZ``, and with ``dS = dZ`` (times ``1 - tanh²`` under a soft-cap),
-    ``dQ = scale · dS K`` and ``dK = scale · dSᵀ Q``. Everything runs in at least float32
+    ``dQ = scale · dS K``, ``dK = scale · dSᵀ Q`` and, when ``scale`` is an array,
+    ``dscale = Σ dS ⊙ (Q Kᵀ) = Σ Q ⊙ dQ / scale``. Everything runs in at least float32
     and is returned in the inputs' dtypes. Rows with no admissible key, and keys no query
     may attend, get gradients of exactly zero.
 
@@ -390,10 +440,13 @@ def scaled_dot_product_attention_vjp(
         scale=scale,
         softcap=softcap,
         enable_gqa=enable_gqa,
+        query_lengths=query_lengths,
+        key_lengths=key_lengths,
+        segment_ids=segment_ids,
     )
     _check_grad_output(p, query, grad_output)
     choice = choose(p, implementation, (block_q, block_k))
-    x = Inputs(query, key, value, mask, bias)
+    x = Inputs(query, key, value, mask, bias, p.scale if p.scale_is_array else None)
     if p.L == 0 or p.S == 0:  # nothing reaches the output: every gradient is zero
         return zero_gradients(p, x)
     return finish_gradients(p, x, choice.backward(p, x, grad_output))

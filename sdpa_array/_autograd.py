@@ -30,6 +30,7 @@ is the only module that knows torch's and JAX's autodiff APIs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -96,6 +97,11 @@ def _jax_traced(x: Inputs) -> bool:
     return any(isinstance(a, jax.core.Tracer) for a in x.differentiable)
 
 
+def _with_scale(p: Problem, scale: Array) -> Problem:
+    """``p`` with the scale array the autodiff wrapper hands its function (if any)."""
+    return p if scale is None else dataclasses.replace(p, scale=scale)
+
+
 def _out_and_lse(choice: Choice, p: Problem, x: Inputs) -> tuple[Array, Array]:
     r = choice.forward(p, x, return_weights=False, return_lse=True)
     return r.out, r.lse
@@ -110,10 +116,13 @@ def _gradients(
     grad_out: Array,
     grad_lse: Array,
 ) -> tuple[Array, ...]:
-    """``(dq, dk, dv, dbias or None)`` from the backward kernel, given the saved forward."""
+    """``(dq, dk, dv, dbias, dscale)`` from the backward kernel (``None`` for no input)."""
     raw = choice.backward(p, x, grad_out, out=out, lse=lse, grad_lse=grad_lse)
-    grads = finish_gradients(p, x, raw)
-    return (*grads[:3], grads[3] if x.bias is not None else None)
+    grads = iter(finish_gradients(p, x, raw))
+    dq, dk, dv = next(grads), next(grads), next(grads)
+    dbias = None if x.bias is None else next(grads)
+    dscale = None if x.scale is None else next(grads)
+    return dq, dk, dv, dbias, dscale
 
 
 @functools.cache
@@ -132,28 +141,31 @@ def _torch_function() -> Any:
             key: Any,
             value: Any,
             bias: Any,
+            scale: Any,
             mask: Any,
             p: Problem,
             choice: Choice,
             backward: Choice,
         ) -> tuple[Any, Any]:
-            return _out_and_lse(choice, p, Inputs(query, key, value, mask, bias))
+            x = Inputs(query, key, value, mask, bias, scale)
+            return _out_and_lse(choice, _with_scale(p, scale), x)
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, Any]) -> None:
-            query, key, value, bias, mask, p, _, backward = inputs
+            query, key, value, bias, scale, mask, p, _, backward = inputs
             out, lse = output
-            ctx.save_for_backward(query, key, value, bias, mask, out, lse)
+            ctx.save_for_backward(query, key, value, bias, scale, mask, out, lse)
             ctx.p, ctx.backward_choice = p, backward
             ctx.set_materialize_grads(False)
 
         @staticmethod
         def backward(ctx: Any, grad_out: Any, grad_lse: Any) -> tuple[Any, ...]:
-            query, key, value, bias, mask, out, lse = ctx.saved_tensors
+            query, key, value, bias, scale, mask, out, lse = ctx.saved_tensors
             if grad_out is None:
                 grad_out = torch.zeros_like(out)
-            x = Inputs(query, key, value, mask, bias)
-            grads = _gradients(ctx.backward_choice, ctx.p, x, out, lse, grad_out, grad_lse)
+            x = Inputs(query, key, value, mask, bias, scale)
+            p = _with_scale(ctx.p, scale)
+            grads = _gradients(ctx.backward_choice, p, x, out, lse, grad_out, grad_lse)
             return (*grads, None, None, None, None)
 
     return OwnBackward
@@ -163,7 +175,7 @@ def _torch_forward(
     choice: Choice, backward: Choice, p: Problem, x: Inputs, return_lse: bool
 ) -> AttentionResult:
     function = _torch_function()
-    out, lse = function.apply(x.query, x.key, x.value, x.bias, x.mask, p, choice, backward)
+    out, lse = function.apply(x.query, x.key, x.value, x.bias, x.scale, x.mask, p, choice, backward)
     return AttentionResult(out=out, lse=lse if return_lse else None)
 
 
@@ -171,25 +183,31 @@ def _jax_forward(choice: Choice, p: Problem, x: Inputs, return_lse: bool) -> Att
     import jax
 
     @jax.custom_vjp
-    def attention(query: Any, key: Any, value: Any, mask: Any, bias: Any) -> tuple[Any, Any]:
-        return _out_and_lse(choice, p, Inputs(query, key, value, mask, bias))
+    def attention(
+        query: Any, key: Any, value: Any, mask: Any, bias: Any, scale: Any
+    ) -> tuple[Any, Any]:
+        x = Inputs(query, key, value, mask, bias, scale)
+        return _out_and_lse(choice, _with_scale(p, scale), x)
 
     def fwd(
-        query: Any, key: Any, value: Any, mask: Any, bias: Any
+        query: Any, key: Any, value: Any, mask: Any, bias: Any, scale: Any
     ) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
-        out, lse = _out_and_lse(choice, p, Inputs(query, key, value, mask, bias))
-        return (out, lse), (query, key, value, mask, bias, out, lse)
+        x = Inputs(query, key, value, mask, bias, scale)
+        out, lse = _out_and_lse(choice, _with_scale(p, scale), x)
+        return (out, lse), (query, key, value, mask, bias, scale, out, lse)
 
     def bwd(saved: tuple[Any, ...], cotangents: tuple[Any, Any]) -> tuple[Any, ...]:
-        query, key, value, mask, bias, out, lse = saved
+        query, key, value, mask, bias, scale, out, lse = saved
         grad_out, grad_lse = cotangents
-        x = Inputs(query, key, value, mask, bias)
-        dq, dk, dv, dbias = _gradients(choice, p, x, out, lse, grad_out, grad_lse)
-        return dq, dk, dv, None, dbias
+        x = Inputs(query, key, value, mask, bias, scale)
+        dq, dk, dv, dbias, dscale = _gradients(
+            choice, _with_scale(p, scale), x, out, lse, grad_out, grad_lse
+        )
+        return dq, dk, dv, None, dbias, dscale
 
     attention.defvjp(fwd, bwd)
     try:
-        out, lse = attention(x.query, x.key, x.value, x.mask, x.bias)
+        out, lse = attention(x.query, x.key, x.value, x.mask, x.bias, x.scale)
     except TypeError as exc:
         if "forward-mode" not in str(exc):
             raise

@@ -10,14 +10,23 @@ from types import ModuleType
 from typing import Any
 
 import array_api_compat
-from array_api_compat import device, is_array_api_obj, is_jax_namespace, is_torch_namespace
+import numpy as np
+from array_api_compat import (
+    device,
+    is_array_api_obj,
+    is_dask_array,
+    is_jax_namespace,
+    is_torch_namespace,
+)
 
 __all__ = [
     "array_namespace",
     "device",
+    "host_values",
     "is_array_api_obj",
     "is_jax_namespace",
     "is_torch_namespace",
+    "known_value",
     "namespace_name",
 ]
 
@@ -49,12 +58,50 @@ def array_namespace(named: dict[str, Any]) -> ModuleType:
         kinds = ", ".join(
             f"{k}: {type(v).__module__}.{type(v).__qualname__}" for k, v in present.items()
         )
-        raise TypeError(
-            f"query, key, value, mask and bias must come from one array library; got {kinds}"
-        ) from exc
+        names = ", ".join(present)
+        raise TypeError(f"{names} must come from one array library; got {kinds}") from exc
 
 
 def namespace_name(xp: ModuleType) -> str:
     """Short library name of a namespace, for messages (``'numpy'``, ``'torch'``...)."""
     name = xp.__name__.removeprefix("array_api_compat.")
     return name.split(".")[0]
+
+
+def known_value(x: Any) -> float | None:
+    """The value of a 0-d array as a float, or ``None`` where reading it is not possible.
+
+    Lazy Dask arrays are not computed for it; JAX tracers, torch tensors inside
+    ``torch.func.vmap`` and the like refuse to give a value.
+    """
+    if is_dask_array(x):
+        return None
+    try:
+        return float(x.detach() if hasattr(x, "detach") else x)  # torch: no autograd warning
+    except Exception:  # tracers and batched tensors raise library-specific errors
+        return None
+
+
+def host_values(x: Any) -> np.ndarray | None:
+    """A NumPy copy (or view) of ``x``'s values, or ``None`` where reading them is not possible.
+
+    NumPy arrays are returned as they are; arrays on the CPU are read through DLPack; device
+    arrays (CuPy, torch CUDA) are copied to the host. Lazy Dask arrays are not computed, and
+    JAX tracers have no values.
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    if is_dask_array(x):
+        return None
+    try:
+        return np.from_dlpack(x)
+    except Exception:  # not on the CPU, or a tracer: the libraries raise different errors
+        pass
+    try:
+        if hasattr(x, "get"):  # CuPy
+            return np.asarray(x.get())
+        if hasattr(x, "cpu"):  # torch on a device
+            return np.asarray(x.detach().cpu())
+        return None
+    except Exception:
+        return None

@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ._compat import array_namespace, device
+from ._compat import array_namespace, device, is_array_api_obj, known_value
 from ._kernels.restrictions import Band
+from ._sequences import Lengths, Segments, check_lengths, check_segments
 from ._typing import Array
 
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -45,14 +46,21 @@ class Problem:
         Head counts on axis -3 (1 when the inputs have no heads axis).
     groups : int
         Query heads per key/value head when ``enable_gqa`` (else 1).
-    scale : float
-        Multiplier of ``Q Kᵀ``.
+    scale : float or array
+        Multiplier of ``Q Kᵀ``: a float, or the caller's 0-d array (whose gradient the
+        backward returns; the kernels use it through :func:`~._kernels.score_terms.kernel_scale`).
     softcap : float or None
         Tanh soft-capping of the scaled scores.
     band : Band
         Causal/window restrictions with the diagonal offset from ``alignment``.
     enable_gqa : bool
         Whether grouped-query attention was asked for.
+    alignment : {"top_left", "bottom_right"}
+        The diagonal rule; with lengths, ``bottom_right`` uses each sequence's own lengths.
+    query_lengths, key_lengths : Lengths or None
+        Valid queries and keys per sequence (``None``: all of them).
+    segments : Segments or None
+        Segment ids of queries and keys (packed documents).
     """
 
     xp: ModuleType
@@ -67,10 +75,24 @@ class Problem:
     heads_q: int
     heads_kv: int
     groups: int
-    scale: float
+    scale: float | Array
     softcap: float | None
     band: Band
     enable_gqa: bool
+    alignment: str = "top_left"
+    query_lengths: Lengths | None = None
+    key_lengths: Lengths | None = None
+    segments: Segments | None = None
+
+    @property
+    def sequence_batch(self) -> tuple[int, ...]:
+        """The batch shape without the heads axis (what lengths and segment ids index)."""
+        return self.batch_shape[:-1]
+
+    @property
+    def has_sequences(self) -> bool:
+        """Whether lengths or segment ids restrict the call."""
+        return any(a is not None for a in (self.query_lengths, self.key_lengths, self.segments))
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -93,6 +115,11 @@ class Problem:
         return self.batch_shape
 
     @property
+    def scale_is_array(self) -> bool:
+        """Whether ``scale`` is the caller's 0-d array (so it has a gradient)."""
+        return not isinstance(self.scale, float)
+
+    @property
     def itemsize(self) -> int:
         """Bytes per element of the compute dtype."""
         return int(self.xp.finfo(self.compute_dtype).bits // 8)
@@ -100,18 +127,26 @@ class Problem:
 
 @dataclass(frozen=True)
 class Inputs:
-    """The caller's arrays, unchanged: what every implementation receives beside a Problem."""
+    """The caller's arrays, unchanged: what every implementation receives beside a Problem.
+
+    ``scale`` is the caller's ``scale`` when it is an array (``None`` when it is a number).
+    """
 
     query: Array
     key: Array
     value: Array
     mask: Array = None
     bias: Array = None
+    scale: Array = None
 
     @property
     def differentiable(self) -> tuple[Array, ...]:
-        """``(query, key, value)``, and ``bias`` when given: the inputs with a gradient."""
-        return (self.query, self.key, self.value) + (() if self.bias is None else (self.bias,))
+        """``(query, key, value)``, then ``bias`` and ``scale`` when they are arrays.
+
+        The inputs with a gradient, in the order the gradients are returned.
+        """
+        extra = tuple(a for a in (self.bias, self.scale) if a is not None)
+        return (self.query, self.key, self.value, *extra)
 
 
 def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -128,6 +163,41 @@ def _positive_finite(name: str, value: Any) -> float:
     if not (math.isfinite(result) and result > 0):
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return result
+
+
+def _scale(xp: ModuleType, query: Any, scale: Any, E: int) -> float | Array:
+    """The validated ``scale``: a float, or the caller's 0-d array of the inputs' library.
+
+    An array's value is checked where it can be read (not on lazy or traced arrays).
+    """
+    if scale is None:  # with E == 0 every score is 0 whatever the scale
+        return 1.0 / math.sqrt(E) if E > 0 else 1.0
+    if isinstance(scale, np.generic) or not is_array_api_obj(scale):
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(
+                "scale must be a real number or a 0-d array of the inputs' library, got "
+                f"{type(scale).__name__} {scale!r}"
+            )
+        return _positive_finite("scale", scale)
+    try:
+        array_namespace({"query": query, "scale": scale})
+    except TypeError:
+        raise TypeError(
+            "scale must be a real number or a 0-d array of the inputs' library "
+            f"({type(query).__module__}.{type(query).__qualname__}), got "
+            f"{type(scale).__module__}.{type(scale).__qualname__}"
+        ) from None
+    if scale.ndim != 0:
+        raise ValueError(
+            "scale must be a real number or a 0-d array, got an array of shape "
+            f"{tuple(scale.shape)}"
+        )
+    if not xp.isdtype(scale.dtype, "real floating"):
+        raise TypeError(f"scale must have a real floating dtype, got {scale.dtype}")
+    value = known_value(scale)
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"scale must be a positive finite number, got {value!r}")
+    return scale
 
 
 def check_flag(name: str, flag: Any) -> None:
@@ -233,6 +303,9 @@ def validate(
     scale: Any,
     softcap: Any,
     enable_gqa: bool,
+    query_lengths: Any = None,
+    key_lengths: Any = None,
+    segment_ids: Any = None,
 ) -> Problem:
     """Check every argument and return the :class:`Problem` they describe.
 
@@ -240,9 +313,11 @@ def validate(
     ------
     TypeError
         Wrong kinds of argument: non-arrays, mixed libraries, non-floating or mixed dtypes,
-        a non-boolean ``mask``, a non-floating ``bias``, a non-number ``scale``.
+        a non-boolean ``mask``, a non-floating ``bias``, a ``scale`` that is neither a real
+        number nor a floating 0-d array of the inputs' library.
     ValueError
-        Inconsistent shapes or out-of-range options; the message names both.
+        Inconsistent shapes or out-of-range options (a ``scale`` array's value only where it
+        can be read: not on lazy Dask arrays or JAX tracers); the message names both.
     """
     xp = array_namespace({"query": query, "key": key, "value": value, "mask": mask, "bias": bias})
     for name, arr in (("query", query), ("key", key), ("value", value)):
@@ -282,11 +357,15 @@ def validate(
                 f"shape (..., Hq, L, S) = {score_shape}"
             )
 
-    if scale is not None:
-        scale_value = _positive_finite("scale", scale)
-    else:  # with E == 0 every score is 0 whatever the scale
-        scale_value = 1.0 / math.sqrt(E) if E > 0 else 1.0
+    scale_value = _scale(xp, query, scale, E)
     softcap_value = None if softcap is None else _positive_finite("softcap", softcap)
+
+    dev = device(query)
+    seq_batch = batch[:-1]
+    common = {"xp": xp, "device": dev, "like": query, "batch": seq_batch}
+    q_lengths = check_lengths("query_lengths", query_lengths, limit=L, **common)
+    k_lengths = check_lengths("key_lengths", key_lengths, limit=S, **common)
+    segments = check_segments(segment_ids, L=L, S=S, **common)
 
     dtype = query.dtype
     compute_dtype = dtype if xp.finfo(dtype).bits >= 32 else xp.float32
@@ -294,7 +373,7 @@ def validate(
     left, right = sides if sides is not None else (None, None)
     return Problem(
         xp=xp,
-        device=device(query),
+        device=dev,
         dtype=dtype,
         compute_dtype=compute_dtype,
         batch_shape=batch,
@@ -309,4 +388,8 @@ def validate(
         softcap=softcap_value,
         band=Band(L=L, S=S, is_causal=bool(is_causal), left=left, right=right, offset=offset),
         enable_gqa=bool(enable_gqa),
+        alignment=alignment,
+        query_lengths=q_lengths,
+        key_lengths=k_lengths,
+        segments=segments,
     )

@@ -103,13 +103,24 @@ def zero_gradients(p: Problem, x: Inputs) -> tuple[Array, ...]:
 def finish_gradients(p: Problem, x: Inputs, raw: RawGrads) -> tuple[Array, ...]:
     """Sum each gradient to its input's shape and cast it to that input's dtype.
 
-    Returns ``(grad_query, grad_key, grad_value)`` and ``grad_bias`` when there is a bias.
+    Returns ``(grad_query, grad_key, grad_value)``, then ``grad_bias`` when there is a bias
+    and ``grad_scale`` when ``scale`` is an array. ``grad_scale`` comes from ``dQ``: every
+    score is ``scale · q·k``, so ``dL/dscale = Σ dS ⊙ (Q Kᵀ) = Σ Q ⊙ dQ / scale``.
     """
     xp = p.xp
     grads = [ungroup(p, raw.dq), raw.dk, raw.dv]
     if x.bias is not None:
         grads.append(ungroup(p, raw.dbias))
-    return tuple(
-        xp.astype(sum_to_shape(xp, g, tuple(a.shape)), a.dtype, copy=False)
-        for g, a in zip(grads, x.differentiable, strict=True)
-    )
+    summed = [
+        sum_to_shape(xp, g, tuple(a.shape)) for g, a in zip(grads, x.differentiable, strict=False)
+    ]
+    if x.scale is not None:
+        q = xp.astype(x.query, summed[0].dtype, copy=False)
+        scale = xp.astype(x.scale, summed[0].dtype)
+        summed.append(xp.sum(q * summed[0], keepdims=True) / scale)
+    grads = [
+        xp.astype(g, a.dtype, copy=False) for g, a in zip(summed, x.differentiable, strict=True)
+    ]
+    if x.scale is not None:  # summed with keepdims: NumPy's 0-d arithmetic gives scalars
+        grads[-1] = xp.reshape(grads[-1], ())
+    return tuple(grads)

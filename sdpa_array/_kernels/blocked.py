@@ -93,16 +93,26 @@ def blocked_attention(
     xp = p.xp
     ops = prepare(p, x)
     batch = p.kernel_batch
-    split, outer = batch_slices(batch, max(1, TILE_BYTES // p.itemsize // (bq * bk)))
-    blocks = plan_blocks(ops.restrictions, bq, bk)
+    per_sequence = ops.restrictions.per_sequence
+    split, outer = batch_slices(
+        batch,
+        max(1, TILE_BYTES // p.itemsize // (bq * bk)),
+        at_least=len(p.sequence_batch) if per_sequence else 0,
+    )
     slices = {index: ops.at(index) for index in outer}
-    items = [(index, block) for index in outer for block in blocks]
+    if per_sequence:  # each sequence skips the tiles its own lengths or segments exclude
+        plans = {index: plan_blocks(slices[index].restrictions, bq, bk) for index in outer}
+    else:
+        shared = plan_blocks(ops.restrictions, bq, bk)
+        plans = dict.fromkeys(outer, shared)
+    items = [(index, block) for index in outer for block in plans[index]]
     inner = batch[split:]
     results = map_blocks(xp, lambda item: _query_block(p, slices[item[0]], inner, item[1]), items)
 
     outs, lses = [], []
+    n_blocks = len(plans[outer[0]])  # every plan covers [0, L) with the same query blocks
     for i in range(len(outer)):
-        mine = results[i * len(blocks) : (i + 1) * len(blocks)]
+        mine = results[i * n_blocks : (i + 1) * n_blocks]
         outs.append(concat(xp, [r[0] for r in mine], axis=-2))
         lses.append(concat(xp, [r[1] for r in mine], axis=-1))
     out = xp.reshape(xp.stack(outs), (*batch, p.L, p.Ev)) if split else outs[0]

@@ -220,6 +220,6 @@ def tile_gradients(
         ds = dz = inplace.multiply(dz, factor)
     dq = xp.matmul(ds, k)
     if factor is None:
-        dq = inplace.multiply(dq, p.scale)
+        dq = inplace.multiply(dq, ops.terms.scale)
     dk = xp.matmul(xp.matrix_transpose(merge_groups(p, ds)), merge_groups(p, r.q))
     return TileGrads(dq=dq, dk=dk, dv=dv, dz=dz if need_dz else None)

@@ -11,7 +11,8 @@ What every delegation does the same way (so the kernels' own rules never leak ou
 * inputs are cast to the compute dtype first (float32 for float16/bfloat16), as the generic
   implementations compute, so results agree to float32 accuracy instead of to the input
   precision;
-* ``scale`` is always passed explicitly;
+* ``scale`` is always passed explicitly; an array ``scale`` is multiplied into the query
+  (the kernel gets ``scale=1.0``), so its gradient flows through the library's autodiff;
 * the kernels' ``is_causal`` is top-left aligned, so it is used only for ``is_causal`` with
   the diagonal at key ``i`` (``"top_left"``, or ``L == S``) and no window; every other
   positional restriction (bottom-right with ``L != S``, windows) becomes an explicit
@@ -38,7 +39,7 @@ from .._problem import Inputs, Problem
 from .._result import AttentionResult
 from .._typing import Array
 from .layout import leading_axes, ungroup
-from .operands import prepare, tile_scores
+from .operands import kernel_scale, prepare, tile_scores
 from .softmax import exp_shift
 
 __all__ = [
@@ -132,6 +133,8 @@ def _refuse(reason: str) -> CannotDelegateError:
 
 
 def _common_checks(p: Problem) -> None:
+    if p.has_sequences:
+        raise _refuse("query/key lengths and segment ids are not delegated")
     if p.softcap is not None:
         raise _refuse("no native kernel applies a softcap")
     if p.E == 0:
@@ -227,12 +230,17 @@ def _finish(p: Problem, req: Request, terms: _Terms, out: Any, lse: Any) -> Atte
 
 
 def _cast(p: Problem, req: Request) -> tuple[Any, Any, Any]:
+    """Query, key and value in the compute dtype; the query times ``scale`` if it is an array."""
     xp, dtype, x = p.xp, p.compute_dtype, req.inputs
-    return (
-        xp.astype(x.query, dtype, copy=False),
-        xp.astype(x.key, dtype, copy=False),
-        xp.astype(x.value, dtype, copy=False),
-    )
+    q = xp.astype(x.query, dtype, copy=False)
+    if p.scale_is_array:
+        q = q * kernel_scale(p)
+    return q, xp.astype(x.key, dtype, copy=False), xp.astype(x.value, dtype, copy=False)
+
+
+def _scale_option(p: Problem) -> float:
+    """The kernel's ``scale`` (1 when :func:`_cast` multiplied an array scale into ``q``)."""
+    return 1.0 if p.scale_is_array else float(p.scale)
 
 
 @dataclass(frozen=True)
@@ -329,7 +337,7 @@ def _plan_torch_public(p: Problem, req: Request) -> Delegation:
         q, k, v = _cast(p, req)
         extra = {"enable_gqa": True} if p.grouped else {}
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=terms.is_causal, scale=p.scale, **extra
+            q, k, v, attn_mask=attn_mask, is_causal=terms.is_causal, scale=_scale_option(p), **extra
         )
         return _finish(p, req, terms, out, None)
 
@@ -368,7 +376,9 @@ def _plan_torch_cpu_flash(p: Problem, req: Request) -> Delegation:
         bias4 = _four_d_term(p, terms.bias, "mask/bias")
         q, k, v = _cast(p, req)
         lay = _four_d(p, q, k, v)
-        out, lse = op(lay.q, lay.k, lay.v, 0.0, terms.is_causal, attn_mask=bias4, scale=p.scale)
+        out, lse = op(
+            lay.q, lay.k, lay.v, 0.0, terms.is_causal, attn_mask=bias4, scale=_scale_option(p)
+        )
         out = _from_four_d(p, out, (p.L, p.Ev))
         lse = _from_four_d(p, lse, (p.L,))
         return _finish(p, req, terms, out, lse)
@@ -419,7 +429,7 @@ def _plan_jax(p: Problem, req: Request) -> Delegation:
         bias4 = _four_d_term(p, terms.bias, "bias")
         lay = _four_d(p, *_cast(p, req))
         q, k, v = (xp.permute_dims(x, (0, 2, 1, 3)) for x in (lay.q, lay.k, lay.v))
-        options: dict[str, Any] = {"scale": p.scale, "is_causal": terms.is_causal}
+        options: dict[str, Any] = {"scale": _scale_option(p), "is_causal": terms.is_causal}
         if wants_lse:
             out, lse = jax.nn.dot_product_attention(
                 q, k, v, bias4, mask4, return_residual=True, **options

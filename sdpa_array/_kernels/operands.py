@@ -29,10 +29,11 @@ from .layout import (
     grouped_score_term,
     leading_axes,
 )
-from .restrictions import DenseMask, Restriction, Restrictions
+from .restrictions import DenseMask, Restrictions
 from .score_terms import ScoreTerms
+from .sequences import sequence_members
 
-__all__ = ["Operands", "prepare", "prepare_rows", "tile_scores"]
+__all__ = ["Operands", "kernel_scale", "prepare", "prepare_rows", "tile_scores"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,13 @@ def prepare_rows(p: Problem, x: Array, *, features: bool = True) -> Array:
     return x
 
 
+def kernel_scale(p: Problem) -> float | Array:
+    """``scale`` as the kernels multiply by it: a float, or the 0-d array in the compute dtype."""
+    if p.scale_is_array:
+        return p.xp.astype(p.scale, p.compute_dtype)
+    return p.scale
+
+
 def prepare(p: Problem, x: Inputs) -> Operands:
     """Cast, scale and group the caller's arrays once, and collect their terms."""
     xp = p.xp
@@ -98,13 +106,13 @@ def prepare(p: Problem, x: Inputs) -> Operands:
         return leading_axes(xp, t, ndim)
 
     bias = None if x.bias is None else xp.astype(x.bias, p.compute_dtype, copy=False)
-    terms = ScoreTerms(p.scale, p.softcap, layout(bias, term=True))
+    terms = ScoreTerms(kernel_scale(p), p.softcap, layout(bias, term=True))
     q = xp.astype(x.query, p.compute_dtype, copy=False)
     if terms.scale_in_query:
-        q = q * p.scale
-    members: list[Restriction] = []
-    if p.band.restricts:
-        members.append(p.band)
+        q = q * terms.scale
+    members, replaces_band = sequence_members(p)
+    if p.band.restricts and not replaces_band:
+        members.insert(0, p.band)
     if x.mask is not None:
         members.append(DenseMask(layout(x.mask, term=True), p.S))
     return Operands(

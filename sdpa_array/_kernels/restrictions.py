@@ -129,9 +129,16 @@ class Band:
         return lo, max(lo, hi)
 
     def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array:
+        return self.mask_with_offset(xp, device, rows, cols, self.offset)
+
+    def mask_with_offset(
+        self, xp: ModuleType, device: Any, rows: slice, cols: slice, offset: int | Array
+    ) -> Array:
+        """The tile's mask with the diagonal at ``i + offset`` (an int, or an array of
+        per-sequence offsets shaped to broadcast against the tile)."""
         row = xp.arange(rows.start, rows.stop, device=device)[:, None]
         col = xp.arange(cols.start, cols.stop, device=device)[None, :]
-        rel = col - row - self.offset  # j - diag(i)
+        rel = col - row - offset  # j - diag(i)
         upper = self._upper()
         below = None if upper is None else rel <= upper
         if self.left is None:
@@ -229,6 +236,15 @@ class Restrictions:
             mine = m.tile_mask(xp, device, rows, cols)
             allowed = mine if allowed is None else xp.logical_and(allowed, mine)
         return allowed
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether some member's tile classes differ between sequences of the batch.
+
+        Then the kernels loop over the sequence batch axes and plan each slice with its
+        own restrictions (:meth:`at`).
+        """
+        return any(getattr(m, "per_sequence", False) for m in self.members)
 
     def at(self, index: tuple[int, ...]) -> Restrictions:
         """The restrictions of the outer batch slice ``index``."""

@@ -25,15 +25,15 @@ class ScoreTerms:
 
     Attributes
     ----------
-    scale : float
-        Multiplier of ``q kᵀ``.
+    scale : float or array
+        Multiplier of ``q kᵀ`` (a 0-d array in the compute dtype when the caller gave one).
     softcap : float or None
         Tanh soft-capping of the scaled scores.
     bias : array or None
         Additive term ``(..., L|1, S|1)`` in the compute dtype.
     """
 
-    scale: float
+    scale: float | Array
     softcap: float | None
     bias: Array
 

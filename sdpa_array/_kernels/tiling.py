@@ -164,15 +164,18 @@ def plan_blocks(r: Restrictions, block_q: int, block_k: int) -> list[QueryBlock]
     return blocks
 
 
-def batch_slices(batch: tuple[int, ...], per_item: int) -> tuple[int, list[tuple[int, ...]]]:
+def batch_slices(
+    batch: tuple[int, ...], per_item: int, *, at_least: int = 0
+) -> tuple[int, list[tuple[int, ...]]]:
     """Split the batch into slices that fit a tile: ``(split, indices)``.
 
-    ``split`` is the smallest number of leading batch axes to loop over so that the rest,
-    ``prod(batch[split:])`` elements, is at most ``per_item``; ``indices`` lists the index
-    tuples of those leading axes in row-major order (``[()]`` when ``split == 0``).
+    ``split`` is the smallest number (at least ``at_least``) of leading batch axes to loop
+    over so that the rest, ``prod(batch[split:])`` elements, is at most ``per_item``;
+    ``indices`` lists the index tuples of those leading axes in row-major order (``[()]``
+    when ``split == 0``).
     """
     split = len(batch)
-    for n in range(len(batch) + 1):
+    for n in range(min(at_least, len(batch)), len(batch) + 1):
         if math.prod(batch[n:]) <= per_item:
             split = n
             break

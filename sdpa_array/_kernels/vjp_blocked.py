@@ -44,6 +44,7 @@ from .gradients import BackwardOperands, prepare_backward, tile_gradients
 from .layout import concat, sum_to_shape
 from .operands import prepare
 from .parallel import get_num_threads, map_blocks
+from .restrictions import TileKind
 from .slicing import tile_of
 from .tiling import TILE_BYTES, BackwardBlock, BackwardPlan, batch_slices, plan_backward
 
@@ -92,8 +93,11 @@ def _query_block(
     bias = ops.terms.bias
     lead_k = ops.k.shape[:-3] if p.grouped else ops.k.shape[:-2]
     lead_v = ops.v.shape[:-3] if p.grouped else ops.v.shape[:-2]
+    per_sequence = ops.restrictions.per_sequence
     for a, z in block.tiles:
         cols = slice(a, z)
+        if per_sequence and ops.restrictions.classify(rows, cols) is TileKind.EMPTY:
+            continue  # this sequence's lengths or segments exclude the tile
         t = tile_gradients(p, ops, r, rows, cols, need_dz=bias is not None)
         _add(sums.dq, block.start, t.dq)
         dk = sum_to_shape(xp, t.dk, (*lead_k, z - a, p.E))
@@ -280,7 +284,8 @@ def blocked_vjp(
     b = prepare_backward(p, x, grad_output, ops=ops, out=out, lse=lse, grad_lse=grad_lse)
 
     per_item = max(1, TILE_BYTES // p.itemsize // (plan.block_q * plan.width))
-    split, slices = batch_slices(p.kernel_batch, per_item)
+    at_least = len(p.sequence_batch) if ops.restrictions.per_sequence else 0
+    split, slices = batch_slices(p.kernel_batch, per_item, at_least=at_least)
     if p.grouped and split == len(p.kernel_batch):
         # keep the group axis inside an item: dK sums over it in one product
         split = len(p.kernel_batch) - 1

@@ -15,10 +15,11 @@ from .. import reference
 from .._compat import array_namespace, device
 from .._typing import Array
 from .bounds import (
-    UNIT_ROUNDOFF,
     compute_dtype,
+    dtype_name,
     lse_bound,
     output_bound,
+    scale_is_array,
     score_error,
     vjp_oracle_and_bounds,
 )
@@ -31,14 +32,6 @@ __all__ = [
     "assert_within",
     "dtype_name",
 ]
-
-
-def dtype_name(x: Array) -> str:
-    """The name of an array's floating dtype (``"float32"``, ``"bfloat16"``...)."""
-    name = str(x.dtype).rsplit(".", 1)[-1].strip("'>")
-    if name not in UNIT_ROUNDOFF:
-        raise TypeError(f"not a floating dtype the bounds know: {x.dtype}")
-    return name
 
 
 def assert_array_like(actual: Array, like: Array, *, shape: tuple[int, ...], dtype: Any) -> None:
@@ -124,7 +117,9 @@ def assert_close_to_oracle(
     )
     xp = array_namespace({"query": query})
     compute = query.dtype if compute_dtype(dtype) == dtype else xp.float32
-    scale = options.get("scale") or (1.0 / np.sqrt(q64.shape[-1]) if q64.shape[-1] else 1.0)
+    given = options.get("scale")
+    E = q64.shape[-1]
+    scale = (1.0 / np.sqrt(E) if E else 1.0) if given is None else float(_host(given))
     S = k64.shape[-2]
     ds = score_error(dtype, q64, k64, scale, bias64, options.get("softcap"))
     v_max = float(np.max(np.abs(v64))) if v64.size else 0.0
@@ -155,7 +150,9 @@ def assert_vjp_close_to_oracle(
     bias: Array | None = None,
     **options: Any,
 ) -> None:
-    """Check gradients of attention (``(dq, dk, dv[, dbias])``) against the oracle's VJP.
+    """Check gradients of attention (``(dq, dk, dv[, dbias][, dscale])``) against the oracle.
+
+    ``dscale`` is expected when ``scale`` is given as an array.
 
     Each gradient must have its input's library, array type, shape, dtype and device, and
     every entry must be within the element-wise bound of
@@ -167,9 +164,10 @@ def assert_vjp_close_to_oracle(
     expected, bounds = vjp_oracle_and_bounds(
         dtype, q64, k64, v64, g64, mask=mask_np, bias=_host_or_none(bias), **options
     )
-    inputs = [query, key, value] + ([bias] if bias is not None else [])
+    named = {"dq": query, "dk": key, "dv": value, "dbias": bias, "dscale": options.get("scale")}
+    named["dscale"] = named["dscale"] if scale_is_array(named["dscale"]) else None
+    inputs = {n: x for n, x in named.items() if x is not None}
     assert len(grads) == len(inputs), f"{len(grads)} gradients for {len(inputs)} inputs"
-    names = ("dq", "dk", "dv", "dbias")
-    for name, g, x, e, b in zip(names, grads, inputs, expected, bounds, strict=False):
+    for (name, x), g, e, b in zip(inputs.items(), grads, expected, bounds, strict=True):
         assert_array_like(g, x, shape=tuple(x.shape), dtype=x.dtype)
         assert_within(g, e, b, name)

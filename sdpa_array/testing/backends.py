@@ -101,7 +101,8 @@ def _dask_sync(x: Any) -> None:
 def _from_numpy_torch(a: np.ndarray, dtype: str, device: str) -> Any:
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=getattr(torch, dtype))
+    # np.array, not np.ascontiguousarray, which turns a 0-d array into shape (1,)
+    return torch.from_numpy(np.array(a, order="C")).to(device=device, dtype=getattr(torch, dtype))
 
 
 def _from_numpy_cupy(a: np.ndarray, dtype: str, device: str) -> Any:

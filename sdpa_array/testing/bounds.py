@@ -36,8 +36,10 @@ from .. import reference
 __all__ = [
     "UNIT_ROUNDOFF",
     "compute_dtype",
+    "dtype_name",
     "lse_bound",
     "output_bound",
+    "scale_is_array",
     "score_error",
     "vjp_oracle_and_bounds",
 ]
@@ -48,6 +50,19 @@ UNIT_ROUNDOFF = {
     "float32": 2.0**-24,
     "float64": 2.0**-53,
 }
+
+
+def dtype_name(x: Any) -> str:
+    """The name of an array's floating dtype (``"float32"``, ``"bfloat16"``...)."""
+    name = str(x.dtype).rsplit(".", 1)[-1].strip("'>")
+    if name not in UNIT_ROUNDOFF:
+        raise TypeError(f"not a floating dtype the bounds know: {x.dtype}")
+    return name
+
+
+def scale_is_array(scale: Any) -> bool:
+    """Whether ``scale`` was given as an array (which has a gradient), not as a number."""
+    return hasattr(scale, "shape") and not isinstance(scale, np.generic)
 
 
 def compute_dtype(dtype: str) -> str:
@@ -152,15 +167,25 @@ def vjp_oracle_and_bounds(
     Rows with no admissible key, and keys no query attends, get a bound of exactly zero, so
     their gradients must be exact zeros.
 
+    When ``scale`` is an array, the oracle also returns ``dScale = Σ dS ⊙ (Q Kᵀ)``, which an
+    implementation forms as ``Σ Q ⊙ dQ / scale`` (or, through autodiff, as ``Σ dS ⊙ raw``
+    with ``raw = Q Kᵀ`` rounded: the same products, grouped differently). Its bound is the
+    propagated ``dQ`` bound ``Σ |Q| e_dQ / scale``, plus the rounding of the sum of
+    ``n = Q.size`` products and of ``raw`` (``(n + E + 3) u Σ |Q| m_dQ / scale``, with
+    ``m_dQ = scale |dS| |K|`` the magnitude ``dQ`` is a sum of), plus ``u_s |dScale|`` for
+    the rounding to the scale's dtype.
+
     Returns
     -------
     (list of numpy.ndarray, list of numpy.ndarray)
-        The oracle's ``(dQ, dK, dV[, dBias])`` and the bounds, in the same shapes.
+        The oracle's ``(dQ, dK, dV[, dBias][, dScale])`` and the bounds, in the same shapes.
     """
     softcap = options.get("softcap")
     expected = list(
         reference.scaled_dot_product_attention_vjp(q, k, v, d_out, mask=mask, bias=bias, **options)
     )
+    scale_array = options.get("scale")
+    d_scale = expected.pop() if scale_is_array(scale_array) else None
     fwd = prep = reference.intermediates(q, k, v, mask=mask, bias=bias, **options)
     u = UNIT_ROUNDOFF[compute_dtype(dtype)]
     u_o = UNIT_ROUNDOFF[dtype]
@@ -197,7 +222,7 @@ def vjp_oracle_and_bounds(
     ]
     if bias is not None:
         terms.append((e_Z, Z_abs, 1, False))
-    bounds = []
+    bounds, mags = [], []
     inputs: list[np.ndarray] = [q, k, v] + ([bias] if bias is not None else [])
     for (err, mag, length, per_kv_head), ref, x in zip(terms, expected, inputs, strict=True):
         n = length * (mag.size // max(x.size, 1))  # terms summed into one entry
@@ -206,4 +231,12 @@ def vjp_oracle_and_bounds(
             err, mag = (reference.unrepeat_heads(a, prep["group"]) for a in (err, mag))
         err, mag = reference.sum_to_shape(err, x.shape), reference.sum_to_shape(mag, x.shape)
         bounds.append(err + (n + 3) * u * mag + u_o * np.abs(ref) + underflow * (err > 0))
+        mags.append(mag)
+    if d_scale is not None:
+        u_s = UNIT_ROUNDOFF[dtype_name(scale_array)]
+        q_abs = np.abs(q)
+        rounding = (q.size + q.shape[-1] + 3) * u * np.sum(q_abs * mags[0])
+        err = (np.sum(q_abs * bounds[0]) + rounding) / scale
+        expected.append(d_scale)
+        bounds.append(np.asarray(err + u_s * np.abs(d_scale)))
     return expected, bounds

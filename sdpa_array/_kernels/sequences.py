@@ -1,0 +1,237 @@
+"""Restrictions from the sequence arguments: lengths, per-sequence diagonals, segment ids.
+
+Three members of :class:`~sdpa_array._kernels.restrictions.Restrictions`, in the kernel
+layout (the sequence batch axes, then heads axes of size 1, then the tile axes):
+
+* :class:`SequenceLengths`: query ``i`` is padding when ``i >= query_lengths[b]`` (no key
+  admissible: its output is zero and its log-sum-exp ``-inf``), key ``j`` is excluded when
+  ``j >= key_lengths[b]``;
+* :class:`ShiftedBand`: causal and window restrictions whose diagonal sits at
+  ``i + key_lengths[b] - query_lengths[b]`` (``alignment="bottom_right"`` with lengths);
+* :class:`SegmentIds`: query ``i`` may attend key ``j`` only in the same segment.
+
+Each answers the key-range questions from the host copy of its values when there is one, so
+the planners skip the tiles those values exclude (a packed batch of 8 documents does about
+1/8 of the dense work); without a host copy (lazy or traced values) it answers ``(0, S)``
+and an empty full range, and the tiles are masked instead. Their ranges depend on the
+sequence, so they say ``per_sequence``: the kernels then plan each batch slice apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .._problem import Problem
+from .._typing import Array
+from .restrictions import Band, Restriction
+from .slicing import at_batch
+
+__all__ = ["SegmentIds", "SequenceLengths", "ShiftedBand", "sequence_members"]
+
+
+def _place(p: Problem, module: Any, x: Any, kind: str) -> Any:
+    """``x`` (sequence batch [+ one token axis]) reshaped to the kernel layout.
+
+    ``kind`` is ``"lengths"`` (two trailing axes of size 1 are added), ``"query"`` (segment
+    ids become ``(..., n, 1)``) or ``"key"`` (``(..., 1, n)``), where ``n`` is the token
+    axis length of ``x`` (1 for a scalar).
+    """
+    if x is None:
+        return None
+    heads = (1,) * (len(p.kernel_batch) - len(p.sequence_batch))
+    shape = tuple(x.shape)
+    if kind == "lengths":
+        new = (*shape, *heads, 1, 1)
+    else:
+        lead, n = (shape[:-1], shape[-1]) if shape else ((), 1)
+        new = (*lead, *heads, *((n, 1) if kind == "query" else (1, n)))
+    ndim = len(p.kernel_batch) + 2
+    return module.reshape(x, (1,) * (ndim - len(new)) + new)
+
+
+@dataclass(frozen=True)
+class SequenceLengths:
+    """Valid queries and keys per sequence (see the module docstring)."""
+
+    q: Array
+    k: Array
+    q_host: np.ndarray | None
+    k_host: np.ndarray | None
+    known: bool
+    S: int
+    per_sequence: bool = True
+
+    def key_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        if not self.known:
+            return 0, self.S
+        if self.q_host is not None and q_start >= int(self.q_host.max()):
+            return 0, 0  # only padding queries
+        return 0, self.S if self.k_host is None else int(self.k_host.max())
+
+    def full_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        if not self.known or (self.q_host is not None and q_stop > int(self.q_host.min())):
+            return 0, 0
+        return 0, self.S if self.k_host is None else int(self.k_host.min())
+
+    def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array:
+        allowed = None
+        if self.q is not None:
+            allowed = xp.arange(rows.start, rows.stop, device=device)[:, None] < self.q
+        if self.k is not None:
+            keys = xp.arange(cols.start, cols.stop, device=device)[None, :] < self.k
+            allowed = keys if allowed is None else xp.logical_and(allowed, keys)
+        return allowed
+
+    def at(self, index: tuple[int, ...]) -> SequenceLengths:
+        return replace(
+            self,
+            q=at_batch(self.q, index),
+            k=at_batch(self.k, index),
+            q_host=at_batch(self.q_host, index),
+            k_host=at_batch(self.k_host, index),
+        )
+
+
+@dataclass(frozen=True)
+class ShiftedBand:
+    """A causal/window :class:`Band` whose diagonal offset differs between sequences."""
+
+    band: Band
+    offset: Array
+    host: np.ndarray | None
+    per_sequence: bool = True
+
+    def _bands(self) -> list[Band]:
+        assert self.host is not None
+        return [replace(self.band, offset=int(o)) for o in np.unique(self.host)]
+
+    def key_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        if self.host is None:
+            return 0, self.band.S
+        ranges = [b.key_range(q_start, q_stop) for b in self._bands()]
+        ranges = [(lo, hi) for lo, hi in ranges if lo < hi]
+        if not ranges:
+            return 0, 0
+        return min(lo for lo, _ in ranges), max(hi for _, hi in ranges)
+
+    def full_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        if self.host is None:
+            return 0, 0
+        ranges = [b.full_range(q_start, q_stop) for b in self._bands()]
+        lo, hi = max(lo for lo, _ in ranges), min(hi for _, hi in ranges)
+        return lo, max(lo, hi)
+
+    def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array:
+        return self.band.mask_with_offset(xp, device, rows, cols, self.offset)
+
+    def at(self, index: tuple[int, ...]) -> ShiftedBand:
+        return replace(self, offset=at_batch(self.offset, index), host=at_batch(self.host, index))
+
+
+@dataclass(frozen=True)
+class SegmentIds:
+    """Segment ids of queries ``(..., L, 1)`` and keys ``(..., 1, S)`` in the kernel layout."""
+
+    q: Array
+    k: Array
+    q_host: np.ndarray | None
+    k_host: np.ndarray | None
+    S: int
+    per_sequence: bool = True
+
+    def _ids(self, q_start: int, q_stop: int) -> np.ndarray:
+        assert self.q_host is not None
+        rows = self.q_host[..., q_start:q_stop, :] if self.q_host.shape[-2] != 1 else self.q_host
+        return np.unique(rows)
+
+    def _keys(self) -> np.ndarray:
+        """Key ids as ``(sequences, S)``, broadcast along the key axis."""
+        assert self.k_host is not None
+        k = np.broadcast_to(self.k_host, (*self.k_host.shape[:-1], self.S))
+        return np.reshape(k, (-1, self.S))
+
+    def key_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        if self.q_host is None or self.k_host is None:
+            return 0, self.S
+        hit = np.flatnonzero(np.any(np.isin(self._keys(), self._ids(q_start, q_stop)), axis=0))
+        return (int(hit[0]), int(hit[-1]) + 1) if hit.size else (0, 0)
+
+    def full_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        if self.q_host is None or self.k_host is None:
+            return 0, 0
+        ids = self._ids(q_start, q_stop)
+        if ids.size != 1:
+            return 0, 0
+        same = np.flatnonzero(np.all(self._keys() == ids[0], axis=0))
+        if not same.size:
+            return 0, 0
+        # the first run of consecutive keys that every sequence has in this segment
+        breaks = np.flatnonzero(np.diff(same) != 1)
+        stop = same[breaks[0]] + 1 if breaks.size else same[-1] + 1
+        return int(same[0]), int(stop)
+
+    def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array:
+        q = self.q[..., rows, :] if self.q.shape[-2] != 1 else self.q
+        k = self.k[..., :, cols] if self.k.shape[-1] != 1 else self.k
+        return q == k
+
+    def at(self, index: tuple[int, ...]) -> SegmentIds:
+        return replace(
+            self,
+            q=at_batch(self.q, index),
+            k=at_batch(self.k, index),
+            q_host=at_batch(self.q_host, index),
+            k_host=at_batch(self.k_host, index),
+        )
+
+
+def sequence_members(p: Problem) -> tuple[list[Restriction], bool]:
+    """The sequence restrictions of ``p``, and whether they replace ``p.band``.
+
+    With lengths and ``alignment="bottom_right"``, a restricting band becomes a
+    :class:`ShiftedBand` whose offsets are ``key_lengths[b] - query_lengths[b]``.
+    """
+    xp = p.xp
+    members: list[Restriction] = []
+    ql, kl = p.query_lengths, p.key_lengths
+    if ql is not None or kl is not None:
+        q_host = None if ql is None else ql.host
+        k_host = None if kl is None else kl.host
+        known = (ql is None or q_host is not None) and (kl is None or k_host is not None)
+        members.append(
+            SequenceLengths(
+                q=None if ql is None else _place(p, xp, ql.array, "lengths"),
+                k=None if kl is None else _place(p, xp, kl.array, "lengths"),
+                q_host=None if q_host is None else _place(p, np, q_host, "lengths"),
+                k_host=None if k_host is None else _place(p, np, k_host, "lengths"),
+                known=known,
+                S=p.S,
+            )
+        )
+    replaces_band = False
+    if p.band.restricts and p.alignment == "bottom_right" and members:
+        k_arr = p.S if kl is None else _place(p, xp, kl.array, "lengths")
+        q_arr = p.L if ql is None else _place(p, xp, ql.array, "lengths")
+        host = None
+        if known:
+            k_h = p.S if kl is None else _place(p, np, kl.host, "lengths")
+            q_h = p.L if ql is None else _place(p, np, ql.host, "lengths")
+            host = np.asarray(k_h - q_h)
+        members.append(ShiftedBand(p.band, k_arr - q_arr, host))
+        replaces_band = True
+    seg = p.segments
+    if seg is not None:
+        members.append(
+            SegmentIds(
+                q=_place(p, xp, seg.query, "query"),
+                k=_place(p, xp, seg.key, "key"),
+                q_host=None if seg.query_host is None else _place(p, np, seg.query_host, "query"),
+                k_host=None if seg.key_host is None else _place(p, np, seg.key_host, "key"),
+                S=p.S,
+            )
+        )
+    return members, replaces_band

@@ -1,0 +1,182 @@
+"""Validation of the sequence arguments: ``query_lengths``, ``key_lengths``, ``segment_ids``.
+
+Each is checked here, before any array work, and becomes a record holding the values as an
+integer array of the inputs' library (on their device) and, where they can be read, as a
+NumPy copy: the blocked kernels plan with the host copy (skipping the tiles the values
+exclude) and mask with the array. Values are range-checked where they can be read; on lazy
+Dask arrays and JAX tracers they cannot, and lengths are clipped to ``[0, L]`` / ``[0, S]``
+instead.
+
+The *sequence batch* is the batch shape without the heads axis: the leading axes before
+axis ``-3`` (``()`` for inputs without a heads axis).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from ._compat import array_namespace, host_values, is_array_api_obj
+from ._typing import Array
+
+__all__ = ["Lengths", "Segments", "check_lengths", "check_segments"]
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Per-sequence lengths of one side (queries or keys).
+
+    Attributes
+    ----------
+    array : array
+        Integer array of the inputs' library, broadcastable to the sequence batch.
+    host : numpy.ndarray or None
+        The same values on the host, or ``None`` where they cannot be read.
+    """
+
+    array: Array
+    host: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Segment ids of queries ``(..., L)`` and keys ``(..., S)`` (no heads axis).
+
+    Attributes
+    ----------
+    query, key : array
+        Integer arrays of the inputs' library.
+    query_host, key_host : numpy.ndarray or None
+        The same values on the host, or ``None`` where they cannot be read.
+    """
+
+    query: Array
+    key: Array
+    query_host: np.ndarray | None
+    key_host: np.ndarray | None
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    try:
+        return tuple(np.broadcast_shapes(shape, target)) == tuple(target)
+    except ValueError:
+        return False
+
+
+def _integer_array(
+    name: str, value: Any, xp: ModuleType, device: Any, like: Any
+) -> tuple[Array, np.ndarray | None]:
+    """``value`` as an integer array of ``xp`` on ``device``, and its host values if known.
+
+    Accepts Python and NumPy integers, NumPy arrays (whatever the inputs' library: their
+    values are on the host) and arrays of the inputs' library.
+    """
+    index_dtype = xp.asarray(0, device=device).dtype
+    if isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be integers, got a bool")
+    if isinstance(value, numbers.Integral):
+        host = np.asarray(int(value))
+        return xp.asarray(host, dtype=index_dtype, device=device), host
+    if isinstance(value, np.ndarray) and xp.__name__ != np.__name__:
+        if value.dtype.kind not in "iu":
+            raise TypeError(f"{name} must have an integer dtype, got {value.dtype}")
+        return xp.asarray(value, dtype=index_dtype, device=device), value
+    if not is_array_api_obj(value):
+        raise TypeError(
+            f"{name} must be an int or an integer array, got {type(value).__name__} {value!r}"
+        )
+    try:
+        array_namespace({"query": like, name: value})
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an int, a NumPy array or an array of the inputs' library "
+            f"({type(like).__module__}.{type(like).__qualname__}), got "
+            f"{type(value).__module__}.{type(value).__qualname__}"
+        ) from None
+    if not xp.isdtype(value.dtype, "integral"):
+        raise TypeError(f"{name} must have an integer dtype, got {value.dtype}")
+    return xp.astype(value, index_dtype), host_values(value)
+
+
+def check_lengths(
+    name: str,
+    value: Any,
+    *,
+    xp: ModuleType,
+    device: Any,
+    like: Any,
+    batch: tuple[int, ...],
+    limit: int,
+) -> Lengths | None:
+    """Validate ``query_lengths`` or ``key_lengths`` (``name``) against ``[0, limit]``.
+
+    Raises
+    ------
+    TypeError
+        Not an int or an integer array of the inputs' library (or NumPy).
+    ValueError
+        A shape that does not broadcast to the sequence ``batch``, or readable values
+        outside ``[0, limit]``.
+    """
+    if value is None:
+        return None
+    array, host = _integer_array(name, value, xp, device, like)
+    shape = tuple(array.shape)
+    if not _broadcasts_to(shape, batch):
+        raise ValueError(
+            f"{name} of shape {shape} does not broadcast to the batch shape {batch} (the "
+            "axes before the heads axis)"
+        )
+    if host is not None:
+        if host.size and (host.min() < 0 or host.max() > limit):
+            raise ValueError(
+                f"{name} must lie in [0, {limit}], got values from {host.min()} to {host.max()}"
+            )
+    else:  # values unknown here (lazy or traced): clipped instead of checked
+        array = xp.clip(array, 0, limit)
+    return Lengths(array, None if host is None else np.asarray(host, dtype=np.int64))
+
+
+def check_segments(
+    value: Any,
+    *,
+    xp: ModuleType,
+    device: Any,
+    like: Any,
+    batch: tuple[int, ...],
+    L: int,
+    S: int,
+) -> Segments | None:
+    """Validate ``segment_ids = (query_segments, key_segments)``.
+
+    Raises
+    ------
+    TypeError
+        Not a pair, or not integer arrays of the inputs' library (or NumPy).
+    ValueError
+        Shapes that do not broadcast to ``batch + (L,)`` and ``batch + (S,)``.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, tuple | list) or len(value) != 2:
+        raise TypeError(
+            "segment_ids must be a pair (query_segments, key_segments) of integer arrays, "
+            f"got {type(value).__name__}"
+        )
+    sides = []
+    for side, ids, n in (("query", value[0], L), ("key", value[1], S)):
+        name = f"segment_ids[{0 if side == 'query' else 1}] ({side} segments)"
+        array, host = _integer_array(name, ids, xp, device, like)
+        shape = tuple(array.shape)
+        if not _broadcasts_to(shape, (*batch, n)):
+            raise ValueError(
+                f"{name} of shape {shape} does not broadcast to {(*batch, n)} (batch shape "
+                f"{batch} without the heads axis, then the {side} length {n})"
+            )
+        sides.append((array, host))
+    (q, q_host), (k, k_host) = sides
+    return Segments(q, k, q_host, k_host)
