@@ -50,9 +50,9 @@ def resolve_scale(scale: Any, E: int) -> tuple[float, bool]:
     Raises
     ------
     TypeError
-        If ``scale`` is not a real number or an array of a real dtype, or not 0-d.
+        If ``scale`` is not a real number or an array of a real dtype.
     ValueError
-        If ``scale`` is not positive and finite.
+        If ``scale`` is not 0-d, or not positive and finite.
 
     Examples
     --------
@@ -77,8 +77,8 @@ def resolve_scale(scale: Any, E: int) -> tuple[float, bool]:
             raise TypeError(
                 f"scale must be a real number or a 0-d array, got {type(scale).__name__}"
             ) from None
-    if array.ndim != 0:
-        raise TypeError(
+    if array.ndim != 0:  # a ValueError, as in the fast paths: the kind is right, the shape not
+        raise ValueError(
             f"scale must be a real number or a 0-d array, got shape {tuple(array.shape)}"
         )
     if array.dtype.kind not in "iuf":
