@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -55,8 +55,8 @@ def _dense(x: dict[str, Any]) -> Any:
 class PackedDocuments:
     """Segment ids against the dense mask that says the same thing."""
 
-    params = ([False, True],)
-    param_names = ["causal"]
+    params: ClassVar = ([False, True],)
+    param_names: ClassVar = ["causal"]
     timeout = 600
 
     def setup(self, causal: bool) -> None:

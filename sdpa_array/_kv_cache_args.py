@@ -1,0 +1,426 @@
+"""Checking the arguments of :func:`~sdpa_array._kv_cache.attention_with_kv_cache`.
+
+:func:`check_call` runs every check before any array work and returns a :class:`CacheCall`;
+each error names the argument and the shapes, dtypes or values involved. The options that the
+cache function passes on to :func:`~sdpa_array.scaled_dot_product_attention` (``window``,
+``scale``, ``softcap``, the flags) are checked by the main function's own
+:func:`~sdpa_array._problem.validate`, on an empty stand-in for the keys, so that both
+functions accept exactly the same values.
+
+Cache lengths and block tables are read on the host where that is possible (NumPy arrays,
+lists, arrays of the inputs' library that hold values); lazy Dask arrays and traced arrays
+(``jax.jit``, ``torch.func``) are kept as arrays, and their values are not checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from ._compat import array_namespace, device, is_array_api_obj, namespace_name
+from ._problem import check_flag, validate
+from ._typing import Array
+
+__all__ = ["CacheCall", "check_call"]
+
+#: The keyword options of the cache function, all with the main function's meaning.
+OPTIONS = (
+    "mask",
+    "bias",
+    "is_causal",
+    "window",
+    "scale",
+    "softcap",
+    "enable_gqa",
+    "return_lse",
+    "alignment",
+)
+
+#: How a library's readable array becomes a NumPy array (default: ``numpy.asarray``).
+_HOST_READERS: dict[str, Callable[[Any], np.ndarray]] = {
+    "torch": lambda x: x.detach().cpu().numpy(),
+    "cupy": lambda x: x.get(),
+}
+
+#: Libraries whose arrays are never read on the host here (a lazy graph is not computed).
+_UNREAD = frozenset({"dask"})
+
+
+@dataclass(frozen=True)
+class CacheCall:
+    """A checked call: the arrays, the cache layout and the options, nothing computed yet.
+
+    A contiguous cache is described as a paged one with one page per sequence: page ``b``
+    holds sequence ``b``, ``page_size`` is ``S_max`` and the block table is ``[[0], [1],
+    ...]``, so that every token position maps to ``(page, row)`` the same way.
+
+    Attributes
+    ----------
+    lengths : tuple of int, or array
+        ``cache_lengths`` read on the host, or the caller's array where it cannot be read.
+    table : numpy.ndarray or array
+        The block table ``(B, max_pages)``, on the host where it could be read.
+    mask, bias : array or None
+        The caller's terms with leading axes added up to 4 (``(B|1, Hq|1, L|1, T|1)``).
+    """
+
+    xp: ModuleType
+    device: Any
+    query: Array
+    key_cache: Array
+    value_cache: Array
+    new_key: Array | None
+    new_value: Array | None
+    paged: bool
+    page_size: int
+    capacity: int
+    lengths: tuple[int, ...] | Array
+    table: np.ndarray | Array
+    num_splits: int | None
+    mask: Array | None
+    bias: Array | None
+    is_causal: bool
+    window: tuple[int | None, int | None] | None
+    passed: dict[str, Any]  # scale, softcap, enable_gqa: given to every chunk's call
+    return_lse: bool
+
+    @property
+    def B(self) -> int:
+        return int(self.query.shape[0])
+
+    @property
+    def L(self) -> int:
+        return int(self.query.shape[2])
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens written before attending: ``L`` with ``new_key``, else 0."""
+        return self.L if self.new_key is not None else 0
+
+    @property
+    def host_lengths(self) -> tuple[int, ...] | None:
+        return self.lengths if isinstance(self.lengths, tuple) else None
+
+    @property
+    def host_table(self) -> np.ndarray | None:
+        return self.table if isinstance(self.table, np.ndarray) else None
+
+    @property
+    def library(self) -> str:
+        return namespace_name(self.xp)
+
+
+def _kind(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - set(OPTIONS))
+    if "return_weights" in unknown:
+        raise TypeError(
+            "attention_with_kv_cache() does not return attention weights (return_weights); "
+            "use scaled_dot_product_attention on the gathered keys for them"
+        )
+    if unknown:
+        raise TypeError(
+            f"attention_with_kv_cache() got unexpected keyword argument(s) {', '.join(unknown)}; "
+            f"its options are {', '.join(OPTIONS)}"
+        )
+    alignment = options.get("alignment", "bottom_right")
+    if alignment != "bottom_right":
+        raise ValueError(
+            "alignment is always 'bottom_right' with a KV cache (the last query sits on the last "
+            f"attended token), got {alignment!r}"
+        )
+
+
+def _namespace(named: dict[str, Any]) -> ModuleType:
+    """The inputs' namespace; ``cache_lengths``/``block_table`` may also be NumPy or lists."""
+    arrays = {k: v for k, v in named.items() if k not in ("cache_lengths", "block_table")}
+    xp = array_namespace(arrays)
+    for name in ("cache_lengths", "block_table"):
+        value = named.get(name)
+        if value is None or isinstance(value, (list, tuple, np.ndarray)):
+            continue
+        if not is_array_api_obj(value):
+            raise TypeError(
+                f"{name} must be a list of ints, a NumPy array or an integer array of the "
+                f"inputs' library, got {_kind(value)}"
+            )
+        try:
+            array_namespace({"query": named["query"], name: value})
+        except TypeError:
+            raise TypeError(
+                f"{name} must be a list of ints, a NumPy array or an array of the inputs' "
+                f"library ({_kind(named['query'])}), got {_kind(value)}"
+            ) from None
+    return xp
+
+
+def _check_arrays(xp: ModuleType, named: dict[str, Any]) -> None:
+    for name in ("query", "key_cache", "value_cache", "new_key", "new_value"):
+        x = named[name]
+        if x is None:
+            continue
+        if x.ndim != 4:
+            expected = {
+                "query": "(B, Hq, L, E)",
+                "new_key": "(B, Hkv, L, E)",
+                "new_value": "(B, Hkv, L, Ev)",
+            }.get(name, "(B, Hkv, S_max, E|Ev) or (num_pages, Hkv, page_size, E|Ev)")
+            raise ValueError(f"{name} must have 4 dimensions {expected}, got {tuple(x.shape)}")
+        if not xp.isdtype(x.dtype, "real floating"):
+            raise TypeError(f"{name} must have a real floating dtype, got {x.dtype}")
+    arrays = ("query", "key_cache", "value_cache", "new_key", "new_value")
+    present = {n: named[n].dtype for n in arrays if named[n] is not None}
+    if len({str(d) for d in present.values()}) > 1:
+        listed = ", ".join(f"{n} {d}" for n, d in present.items())
+        raise TypeError(f"query, the caches and the new tokens must share one dtype, got {listed}")
+    mask, bias = named["mask"], named["bias"]
+    if mask is not None and not xp.isdtype(mask.dtype, "bool"):
+        raise TypeError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
+    if bias is not None and not xp.isdtype(bias.dtype, "real floating"):
+        raise TypeError(f"bias must have a real floating dtype, got {bias.dtype}")
+
+
+def _check_shapes(named: dict[str, Any], paged: bool, enable_gqa: bool) -> None:
+    q, k, v = (tuple(named[n].shape) for n in ("query", "key_cache", "value_cache"))
+    B, Hq, L, E = q
+    shapes = f"query {q}, key_cache {k}, value_cache {v}"
+    if k[:3] != v[:3]:
+        raise ValueError(f"key_cache and value_cache must agree on all but the last axis: {shapes}")
+    if k[3] != E:
+        raise ValueError(f"key_cache must have the query's feature size E={E}: {shapes}")
+    if not paged and k[0] != B:
+        raise ValueError(
+            f"a contiguous key_cache must have shape (B, Hkv, S_max, E) with the query's B={B} "
+            f"(or pass block_table for a paged cache): {shapes}"
+        )
+    if paged and k[2] < 1:
+        raise ValueError(f"a paged cache needs page_size >= 1 (axis 2 of key_cache): {shapes}")
+    Hkv = k[1]
+    if enable_gqa and (Hkv == 0 or Hq % Hkv):
+        raise ValueError(
+            f"enable_gqa=True needs query heads ({Hq}) to be a multiple of the cache's heads "
+            f"({Hkv}): {shapes}"
+        )
+    if not enable_gqa and Hkv not in (Hq, 1):
+        raise ValueError(
+            f"query heads ({Hq}) and cache heads ({Hkv}) differ; pass enable_gqa=True for "
+            f"grouped-query attention: {shapes}"
+        )
+    for name, width in (("new_key", E), ("new_value", v[3])):
+        x = named[name]
+        if x is not None and tuple(x.shape) != (B, Hkv, L, width):
+            raise ValueError(
+                f"{name} must have shape (B, Hkv, L, {'E' if name == 'new_key' else 'Ev'}) = "
+                f"{(B, Hkv, L, width)} to match {shapes}, got {tuple(x.shape)}"
+            )
+
+
+def _read(xp: ModuleType, x: Any) -> np.ndarray | None:
+    """``x`` as a NumPy array, or ``None`` where its values cannot be read without work."""
+    if isinstance(x, np.ndarray):
+        return x
+    name = namespace_name(xp)
+    if name in _UNREAD:
+        return None
+    try:
+        return np.asarray(_HOST_READERS.get(name, np.asarray)(x))
+    except Exception:  # tracers and batched tensors refuse, each with its own error
+        return None
+
+
+def _integers(
+    xp: ModuleType, name: str, value: Any, shape: tuple[int | None, ...], what: str
+) -> Any:
+    """``value`` as a host int64 array (lists, NumPy, readable arrays) or the array itself.
+
+    ``shape`` is the expected shape, ``None`` where any size fits.
+    """
+    if isinstance(value, (list, tuple)):
+        try:
+            value = np.asarray(value)
+        except ValueError:
+            raise ValueError(f"{name} must have shape {what}, got a ragged list") from None
+        if value.size == 0:
+            value = value.astype(np.int64)
+    if isinstance(value, np.ndarray):
+        integral = value.dtype.kind in "iu"
+    else:
+        integral = xp.isdtype(value.dtype, "integral")
+    if not integral:
+        raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+    got = tuple(int(n) for n in value.shape)
+    if len(got) != len(shape) or any(
+        e is not None and e != n for e, n in zip(shape, got, strict=True)
+    ):
+        expected = tuple("*" if e is None else e for e in shape)
+        raise ValueError(f"{name} must have shape {what} = {expected}, got {got}")
+    host = _read(xp, value)
+    return value if host is None else host.astype(np.int64)
+
+
+def _check_lengths(lengths: np.ndarray, new: int, capacity: int, layout: str) -> None:
+    for b, n in enumerate(lengths.tolist()):
+        if n < 0:
+            raise ValueError(f"cache_lengths must be non-negative, got cache_lengths[{b}] = {n}")
+        if n + new > capacity:
+            raise ValueError(
+                f"the cache is too small: cache_lengths[{b}] = {n} plus {new} new token(s) "
+                f"needs {n + new} token slots, but {layout} holds {capacity} per sequence"
+            )
+
+
+def _check_table(table: np.ndarray, lengths: Any, new: int, page_size: int, pages: int) -> None:
+    """Every page a sequence uses (all of them where lengths are unknown) must exist."""
+    for b, row in enumerate(table):
+        used = len(row) if lengths is None else -(-(int(lengths[b]) + new) // page_size)
+        for j, page in enumerate(row[:used].tolist()):
+            if not 0 <= page < pages:
+                raise ValueError(
+                    f"block_table[{b}, {j}] = {page} points outside the cache's {pages} pages "
+                    f"(key_cache axis 0); sequence {b} uses its first {used} entries"
+                )
+
+
+def _num_splits(num_splits: Any) -> int | None:
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)):
+        raise TypeError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits}")
+    return int(num_splits)
+
+
+def _term(xp: ModuleType, name: str, term: Any, scores: tuple[int, ...], what: str) -> Any:
+    if term is None:
+        return None
+    try:
+        fits = np.broadcast_shapes(tuple(term.shape), scores) == scores
+    except ValueError:
+        fits = False
+    if not fits or term.ndim > 4:
+        raise ValueError(
+            f"{name} of shape {tuple(term.shape)} does not broadcast to (B, Hq, L, T) = "
+            f"{scores} (T = {what})"
+        )
+    return xp.reshape(term, (1,) * (4 - term.ndim) + tuple(term.shape))
+
+
+def check_call(
+    query: Any,
+    key_cache: Any,
+    value_cache: Any,
+    *,
+    cache_lengths: Any,
+    new_key: Any,
+    new_value: Any,
+    block_table: Any,
+    num_splits: Any,
+    options: dict[str, Any],
+) -> CacheCall:
+    """Check every argument of the cache function and return the call they describe.
+
+    Raises
+    ------
+    TypeError
+        Non-arrays, mixed libraries, non-floating or mixed dtypes, a non-boolean ``mask``,
+        non-integer lengths or block table, a ``num_splits`` that is not an int, an unknown
+        option.
+    ValueError
+        Shapes that do not fit, a cache too small for ``cache_lengths + L`` or a block table
+        pointing outside the pages (where the values can be read), ``new_key`` without
+        ``new_value``, out-of-range options.
+    """
+    _check_options(options)
+    mask, bias = options.get("mask"), options.get("bias")
+    named = {
+        "query": query,
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "new_key": new_key,
+        "new_value": new_value,
+        "mask": mask,
+        "bias": bias,
+        "cache_lengths": cache_lengths,
+        "block_table": block_table,
+    }
+    if cache_lengths is None:
+        raise TypeError("cache_lengths is required: the number of tokens in each cache, (B,)")
+    xp = _namespace(named)
+    if (new_key is None) != (new_value is None):
+        given, missing = ("new_key", "new_value") if new_value is None else ("new_value", "new_key")
+        raise ValueError(f"{given} was given without {missing}: pass both or neither")
+    _check_arrays(xp, named)
+    enable_gqa = options.get("enable_gqa", False)
+    check_flag("enable_gqa", enable_gqa)
+    paged = block_table is not None
+    _check_shapes(named, paged, bool(enable_gqa))
+    B, Hq, L, _ = (int(n) for n in query.shape)
+    pages, _, rows, _ = (int(n) for n in key_cache.shape)
+    new = L if new_key is not None else 0
+    lengths = _integers(xp, "cache_lengths", cache_lengths, (B,), "(B,)")
+    host_lengths = lengths if isinstance(lengths, np.ndarray) else None
+    if paged:
+        table = _integers(xp, "block_table", block_table, (B, None), "(B, max_pages)")
+        capacity = int(table.shape[1]) * rows
+        layout = f"the block table ({table.shape[1]} pages of {rows} tokens)"
+    else:
+        table = np.arange(B, dtype=np.int64)[:, None]
+        capacity = rows
+        layout = f"key_cache (S_max = {rows})"
+    if host_lengths is not None:
+        _check_lengths(host_lengths, new, capacity, layout)
+    if paged and isinstance(table, np.ndarray):
+        _check_table(table, host_lengths, new, rows, pages)
+    splits = _num_splits(num_splits)
+    return_lse = options.get("return_lse", False)
+    check_flag("return_lse", return_lse)
+    is_causal = options.get("is_causal", False)
+    passed: dict[str, Any] = {
+        k: options[k] for k in ("scale", "softcap", "enable_gqa") if k in options
+    }
+    stub = key_cache[:1, :, :0, :]
+    p = validate(
+        query,
+        stub,
+        value_cache[:1, :, :0, :],
+        mask=None,
+        bias=None,
+        is_causal=is_causal,
+        window=options.get("window"),
+        alignment="bottom_right",
+        scale=options.get("scale"),
+        softcap=options.get("softcap"),
+        enable_gqa=enable_gqa,
+    )
+    scores = (B, Hq, L, capacity)
+    what = "max_pages * page_size" if paged else "S_max"
+    window = None if p.band.left is None and p.band.right is None else (p.band.left, p.band.right)
+    return CacheCall(
+        xp=xp,
+        device=device(query),
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        new_key=new_key,
+        new_value=new_value,
+        paged=paged,
+        page_size=rows,
+        capacity=capacity,
+        lengths=tuple(host_lengths.tolist()) if host_lengths is not None else lengths,
+        table=table,
+        num_splits=splits,
+        mask=_term(xp, "mask", mask, scores, what),
+        bias=_term(xp, "bias", bias, scores, what),
+        is_causal=bool(is_causal),
+        window=window,
+        passed=passed,
+        return_lse=bool(return_lse),
+    )
