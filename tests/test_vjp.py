@@ -199,8 +199,8 @@ def test_blocked_vjp_with_the_batch_split_matches_oracle(
     splits = []
     original = vjp_blocked.batch_slices
 
-    def spy(batch, per_item):
-        split, indices = original(batch, per_item)
+    def spy(batch, per_item, **options):
+        split, indices = original(batch, per_item, **options)
         splits.append(split)
         return split, indices
 

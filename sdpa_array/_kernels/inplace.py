@@ -3,15 +3,27 @@
 NumPy, CuPy, array-api-strict and torch (outside autograd) update an array in place, which
 saves a temporary per tile; JAX and Dask arrays are immutable, and their ``x -= y`` already
 rebinds. A torch tensor that takes part in autograd must not be changed in place (the
-values saved for its backward pass would change), and a read-only NumPy array cannot be.
+values saved for its backward pass would change), nor can a tensor combined with one that a
+``torch.func`` transform wraps (under ``vmap`` the other operand may hold more elements than
+it shows), and a read-only NumPy array cannot be.
 The kernels call :func:`subtract` and :func:`multiply` on arrays they created themselves.
 """
 
 from __future__ import annotations
 
+import sys
+
 from .._typing import Array
 
 __all__ = ["multiply", "subtract"]
+
+
+def _functorch_wrapped(a: Array) -> bool:
+    """Whether ``a`` is a tensor wrapped by a ``torch.func`` transform (``vmap``, ``grad``)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(a, torch.Tensor):
+        return False
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(a))
 
 
 def _in_place(x: Array, y: Array) -> bool:
@@ -20,6 +32,8 @@ def _in_place(x: Array, y: Array) -> bool:
     if len(ys) > len(xs) or any(b not in (1, a) for a, b in zip(xs[::-1], ys[::-1], strict=False)):
         return False
     if getattr(x, "requires_grad", False) or getattr(y, "requires_grad", False):
+        return False
+    if _functorch_wrapped(x) or _functorch_wrapped(y):
         return False
     flags = getattr(x, "flags", None)
     return flags is None or bool(getattr(flags, "writeable", True))

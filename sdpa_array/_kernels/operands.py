@@ -4,7 +4,8 @@
 :mod:`sdpa_array._kernels.layout`:
 
 1. query, key and value are cast to the compute dtype (at least float32); the scale is
-   folded into the query when :attr:`ScoreTerms.scale_in_query`; with grouped-query
+   folded into the query when that is exact (:attr:`ScoreTerms.scale_in_query`, a power of
+   two), else the scores of each tile are scaled; with grouped-query
    attention the query heads are split into ``(Hkv, G)`` so that keys and values are never
    repeated in memory;
 2. the bias becomes a :class:`ScoreTerms` member, the mask and the causal/window band

@@ -2,18 +2,20 @@
 
 Every term that changes a score's *value* lives in :class:`ScoreTerms`, applied tile by
 tile in the order of the public definition: the ``scale`` (folded into the query when
-nothing non-linear follows the product), the ``softcap`` (``c · tanh(s / c)``) and the
-additive ``bias``. Restrictions, which only *exclude* scores, live in
+that rounds nothing, see :attr:`ScoreTerms.scale_in_query`), the ``softcap``
+(``c · tanh(s / c)``) and the additive ``bias``. Restrictions, which only *exclude* scores, live in
 :mod:`sdpa_array._kernels.restrictions`. New terms (bias functions, sinks) become fields and
 steps of this class, so the forward and backward kernels pick them up together.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import ModuleType
 
 from .._typing import Array
+from . import inplace
 from .slicing import at_batch, tile_of
 
 __all__ = ["ScoreTerms"]
@@ -39,8 +41,21 @@ class ScoreTerms:
 
     @property
     def scale_in_query(self) -> bool:
-        """Whether the scale is folded into the query (exact: nothing non-linear follows)."""
-        return self.softcap is None
+        """Whether the scale is folded into the query, where it changes no score.
+
+        Only when nothing non-linear follows the product and the scale is a power of two
+        (``1/sqrt(E)`` for ``E`` = 4, 16, 64, 256, ...): multiplying by it then rounds
+        nothing, so ``(q · scale) kᵀ`` is ``(q kᵀ) · scale`` bit for bit and costs a pass over
+        ``q`` instead of one over every score tile. Any other scale rounds each query element
+        once, and at large logits (``|score| ~ 1e3`` in float32) these roundings add an error
+        comparable to the product's own (the output error was 1.1-1.5x that of torch's CPU
+        kernel, which scales the scores): such a scale multiplies the scores of each tile
+        instead (:meth:`apply`), which rounds each score once. A 0-d array scale is never
+        inspected (that would synchronize with the device) and is applied to the scores.
+        """
+        if self.softcap is not None or not isinstance(self.scale, (int, float)):
+            return False
+        return self.scale > 0 and math.frexp(self.scale)[0] == 0.5
 
     def at(self, index: tuple[int, ...]) -> ScoreTerms:
         """The terms of the outer batch slice ``index``."""
@@ -56,12 +71,14 @@ class ScoreTerms:
         Parameters
         ----------
         raw : array
-            ``q kᵀ`` of the tile (already scaled when :attr:`scale_in_query`).
+            ``q kᵀ`` of the tile (already scaled when :attr:`scale_in_query`); the caller's
+            own array, which may be overwritten.
         rows, cols : slice
             Query and key index ranges of the tile (to cut the bias).
         need_factor : bool
-            Also return ``d scores / d(q kᵀ)`` where it is not the scale alone: with a
-            soft-cap ``scale · (1 - tanh²)``; ``None`` otherwise (the scale is in ``q``).
+            Also return ``d scores / d(q kᵀ)`` where ``q`` does not carry the scale: with a
+            soft-cap ``scale · (1 - tanh²)``, without one ``scale``; ``None`` when
+            :attr:`scale_in_query`.
         """
         s, factor = raw, None
         if self.softcap is not None:
@@ -69,6 +86,10 @@ class ScoreTerms:
             if need_factor:
                 factor = (1.0 - t * t) * self.scale
             s = t * self.softcap
+        elif not self.scale_in_query:
+            s = inplace.multiply(raw, self.scale)
+            if need_factor:
+                factor = self.scale
         b = tile_of(self.bias, rows, cols)
         if b is not None:
             s = s + b
