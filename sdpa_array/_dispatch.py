@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from ._compat import namespace_name
 from ._kernels.blocked import blocked_attention
 from ._kernels.materialized import materialized_attention
 from ._kernels.native import CannotDelegateError, Request, native_attention, plan_native
@@ -26,12 +27,16 @@ from ._typing import Array
 
 __all__ = [
     "AUTO_BLOCKED_BYTES",
+    "AUTO_BLOCKED_BYTES_BY_LIBRARY",
+    "AUTO_MAX_SCORE_BYTES",
     "IMPLEMENTATIONS",
     "BackwardKernel",
     "Choice",
     "ForwardKernel",
     "Row",
+    "auto_blocked_bytes",
     "choose",
+    "score_bytes",
 ]
 
 
@@ -92,8 +97,41 @@ IMPLEMENTATIONS: dict[str, Row] = {
 #: ``"auto"`` runs the blocked implementation when the score matrix of the whole call (in
 #: the compute dtype) would exceed this many bytes, i.e. more than one tile: then the
 #: materialized path's passes run from main memory instead of cache, and its memory grows
-#: as ``L * S`` (docs/performance.md has the measurements).
+#: as ``L * S`` (docs/performance.md has the measurements). The default for libraries
+#: without an entry in :data:`AUTO_BLOCKED_BYTES_BY_LIBRARY`.
 AUTO_BLOCKED_BYTES = TILE_BYTES
+
+#: Memory safety beats speed: above this many score bytes (256 MiB) ``"auto"`` never
+#: materializes the score matrix, whatever the library's threshold.
+AUTO_MAX_SCORE_BYTES = 2**28
+
+#: Per library (:func:`~._compat.namespace_name` of the inputs' namespace), the score bytes
+#: above which ``"auto"`` runs the blocked implementation: the largest measured size at
+#: which the blocked forward was still slower than the materialized one (float32, B=1, H=8,
+#: E=64, ``L = S`` from 256 to 4096, i.e. 2 to 512 MiB of scores;
+#: ``asv_benchmarks/auto_crossover.py``, tables in docs/performance.md). NumPy: blocked
+#: faster from 2 MiB (0.1-0.4x), so one tile as before. JAX (eager): forward 2.3x slower
+#: at 8 MiB, 0.6-0.85x from 32 MiB (its VJP already 0.87x at 8 MiB). array-api-strict
+#: and Dask: blocked 1.2-7x slower at every measured size, forward and VJP (each tile is
+#: separate eager operations or graph tasks), so materialized up to the cap. torch: also
+#: slower blocked, but under autograd the materialized path keeps the whole probability
+#: matrix for the backward pass while the blocked one keeps ``O(block)``, so torch keeps
+#: the one-tile default (and most torch calls delegate to its native kernel anyway).
+AUTO_BLOCKED_BYTES_BY_LIBRARY: dict[str, int] = {
+    "numpy": TILE_BYTES,
+    "jax": 8 * 2**20,
+    "torch": TILE_BYTES,
+    "array_api_strict": AUTO_MAX_SCORE_BYTES,
+    "dask": AUTO_MAX_SCORE_BYTES,
+}
+
+
+def auto_blocked_bytes(p: Problem) -> int:
+    """Score bytes above which ``"auto"`` prefers the blocked implementation for ``p``'s
+    library (its entry in :data:`AUTO_BLOCKED_BYTES_BY_LIBRARY`, else
+    :data:`AUTO_BLOCKED_BYTES`), never above :data:`AUTO_MAX_SCORE_BYTES`."""
+    threshold = AUTO_BLOCKED_BYTES_BY_LIBRARY.get(namespace_name(p.xp), AUTO_BLOCKED_BYTES)
+    return min(threshold, AUTO_MAX_SCORE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -206,7 +244,7 @@ def _automatic(p: Problem, sized: bool, request: Request | None) -> str:
     memory-efficient; else blocked for a large score matrix, materialized for a small one."""
     if sized:
         return "blocked"
-    large = score_bytes(p) > AUTO_BLOCKED_BYTES
+    large = score_bytes(p) > auto_blocked_bytes(p)
     if request is None:  # the VJP
         return "blocked" if large else "materialized"
     if request.return_weights:  # the weights are the score matrix: form it once

@@ -406,7 +406,8 @@ def lazy_zeros(backend, shape, dtype="float32"):
 
 def test_auto_rule(backend):
     small = lazy_zeros(backend, (1, 2, 64, 8))
-    large = lazy_zeros(backend, (1, 2, 2048, 8))  # 32 MiB of float32 scores
+    # 512 MiB of float32 scores: above every library's threshold (AUTO_MAX_SCORE_BYTES)
+    large = lazy_zeros(backend, (1, 2, 8192, 8))
     native = backend.library in NATIVE_LIBRARIES
     assert chosen(backend, small, small, small) == ("native" if native else "materialized")
     assert chosen(backend, small, small, small, return_weights=True) == "materialized"
