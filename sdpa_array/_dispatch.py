@@ -16,6 +16,7 @@ from typing import Protocol
 
 from ._compat import namespace_name
 from ._kernels.blocked import blocked_attention
+from ._kernels.dask_graph import dask_attention, dask_vjp
 from ._kernels.materialized import materialized_attention
 from ._kernels.native import CannotDelegateError, Request, native_attention, plan_native
 from ._kernels.tiling import TILE_BYTES, check_block_sizes
@@ -92,6 +93,7 @@ IMPLEMENTATIONS: dict[str, Row] = {
     "materialized": Row(materialized_attention, materialized_vjp),
     "blocked": Row(blocked_attention, blocked_vjp, takes_blocks=True, own_autograd=True),
     "native": Row(native_attention, None),
+    "dask": Row(dask_attention, dask_vjp, takes_blocks=True),
 }
 
 #: ``"auto"`` runs the blocked implementation when the score matrix of the whole call (in
@@ -111,9 +113,11 @@ AUTO_MAX_SCORE_BYTES = 2**28
 #: E=64, ``L = S`` from 256 to 4096, i.e. 2 to 512 MiB of scores;
 #: ``asv_benchmarks/auto_crossover.py``, tables in docs/performance.md). NumPy: blocked
 #: faster from 2 MiB (0.1-0.4x), so one tile as before. JAX (eager): forward 2.3x slower
-#: at 8 MiB, 0.6-0.85x from 32 MiB (its VJP already 0.87x at 8 MiB). array-api-strict
-#: and Dask: blocked 1.2-7x slower at every measured size, forward and VJP (each tile is
-#: separate eager operations or graph tasks), so materialized up to the cap. torch: also
+#: at 8 MiB, 0.6-0.85x from 32 MiB (its VJP already 0.87x at 8 MiB). array-api-strict:
+#: blocked 1.2-2.7x slower at every measured size, forward and VJP (each tile is separate
+#: eager operations), so materialized up to the cap. Dask has no entry: ``"auto"`` builds
+#: its graph of chunk pairs (``"dask"``; Dask's materialized and blocked paths measured
+#: 1.9-7x apart in favour of materialized, tables in docs/performance.md). torch: also
 #: slower blocked, but under autograd the materialized path keeps the whole probability
 #: matrix for the backward pass while the blocked one keeps ``O(block)``, so torch keeps
 #: the one-tile default (and most torch calls delegate to its native kernel anyway).
@@ -122,7 +126,6 @@ AUTO_BLOCKED_BYTES_BY_LIBRARY: dict[str, int] = {
     "jax": 8 * 2**20,
     "torch": TILE_BYTES,
     "array_api_strict": AUTO_MAX_SCORE_BYTES,
-    "dask": AUTO_MAX_SCORE_BYTES,
 }
 
 
@@ -241,7 +244,10 @@ def choose(
 
 def _automatic(p: Problem, sized: bool, request: Request | None) -> str:
     """``"auto"``'s rule: weights → materialized; native where it applies and stays
-    memory-efficient; else blocked for a large score matrix, materialized for a small one."""
+    memory-efficient; else blocked for a large score matrix, materialized for a small one.
+    Dask arrays (without weights) get the graph of chunk pairs (docs/distributed.md)."""
+    if namespace_name(p.xp) == "dask" and (request is None or not request.return_weights):
+        return "dask"
     if sized:
         return "blocked"
     large = score_bytes(p) > auto_blocked_bytes(p)

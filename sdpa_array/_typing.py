@@ -18,7 +18,7 @@ Array: TypeAlias = Any
 Alignment: TypeAlias = Literal["top_left", "bottom_right"]
 
 #: The ``implementation=`` choices of the forward pass.
-ImplementationName: TypeAlias = Literal["auto", "materialized", "blocked", "native"]
+ImplementationName: TypeAlias = Literal["auto", "materialized", "blocked", "native", "dask"]
 
 #: The ``implementation=`` choices of the VJP.
-VJPImplementationName: TypeAlias = Literal["auto", "materialized", "blocked"]
+VJPImplementationName: TypeAlias = Literal["auto", "materialized", "blocked", "dask"]
