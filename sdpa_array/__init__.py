@@ -5,13 +5,15 @@ torch, JAX, Dask, array-api-strict) and returns arrays of the same library, dtyp
 device; :func:`scaled_dot_product_attention_vjp` gives its gradients on the same libraries,
 autograd or not. :func:`merge_attention_states` combines partial results over disjoint key
 sets, and :func:`attention_with_kv_cache` decodes against a contiguous or paged key/value
-cache. :mod:`sdpa_array.reference` is an independent float64 NumPy oracle with the same
-arguments, and :mod:`sdpa_array.testing` checks any result against it.
+cache. :func:`dropout_keep_mask` is the keep mask of attention dropout for a seed, the same
+bits on every library. :mod:`sdpa_array.reference` is an independent float64 NumPy oracle
+with the same arguments, and :mod:`sdpa_array.testing` checks any result against it.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
 from ._api import scaled_dot_product_attention, scaled_dot_product_attention_vjp
+from ._kernels.dropout import dropout_keep_mask
 from ._kernels.native import CannotDelegateError
 from ._kernels.parallel import get_num_threads, set_num_threads
 from ._kv_cache import attention_with_kv_cache
@@ -20,6 +22,7 @@ from ._merge import merge_attention_states
 __all__ = [
     "CannotDelegateError",
     "attention_with_kv_cache",
+    "dropout_keep_mask",
     "get_num_threads",
     "merge_attention_states",
     "scaled_dot_product_attention",

@@ -40,6 +40,9 @@ def scaled_dot_product_attention(
     query_lengths: int | Array | None = ...,
     key_lengths: int | Array | None = ...,
     segment_ids: tuple[Array, Array] | None = ...,
+    sinks: Array | None = ...,
+    dropout_p: float = ...,
+    dropout_seed: int | None = ...,
     return_weights: Literal[False] = ...,
     return_lse: Literal[False] = ...,
     implementation: ImplementationName = ...,
@@ -66,6 +69,9 @@ def scaled_dot_product_attention(
     query_lengths: int | Array | None = ...,
     key_lengths: int | Array | None = ...,
     segment_ids: tuple[Array, Array] | None = ...,
+    sinks: Array | None = ...,
+    dropout_p: float = ...,
+    dropout_seed: int | None = ...,
     return_weights: Literal[True],
     return_lse: Literal[False] = ...,
     implementation: ImplementationName = ...,
@@ -92,6 +98,9 @@ def scaled_dot_product_attention(
     query_lengths: int | Array | None = ...,
     key_lengths: int | Array | None = ...,
     segment_ids: tuple[Array, Array] | None = ...,
+    sinks: Array | None = ...,
+    dropout_p: float = ...,
+    dropout_seed: int | None = ...,
     return_weights: Literal[False] = ...,
     return_lse: Literal[True],
     implementation: ImplementationName = ...,
@@ -118,6 +127,9 @@ def scaled_dot_product_attention(
     query_lengths: int | Array | None = ...,
     key_lengths: int | Array | None = ...,
     segment_ids: tuple[Array, Array] | None = ...,
+    sinks: Array | None = ...,
+    dropout_p: float = ...,
+    dropout_seed: int | None = ...,
     return_weights: Literal[True],
     return_lse: Literal[True],
     implementation: ImplementationName = ...,
@@ -143,6 +155,9 @@ def scaled_dot_product_attention(
     query_lengths: int | Array | None = None,
     key_lengths: int | Array | None = None,
     segment_ids: tuple[Array, Array] | None = None,
+    sinks: Array | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
     implementation: ImplementationName = "auto",
@@ -207,8 +222,20 @@ def scaled_dot_product_attention(
         ``i`` may attend key ``j`` only if their ids are equal (several documents packed
         into one row); combines with every other restriction. Host-readable ids let the
         blocked path skip the tiles between documents.
+    sinks : floating array, optional
+        One logit per query head, broadcastable to ``(..., Hq)`` (gpt-oss): each row's
+        softmax gets a term whose value is zero, ``p_j = exp(z_j) / (exp(sink) + sum_k
+        exp(z_k))``, so the weights sum to less than 1. Not scaled, soft-capped or masked;
+        the log-sum-exp includes it, and a row with no admissible key has zero output and
+        log-sum-exp ``sink``. Differentiable.
+    dropout_p : float, default 0.0
+        Drop each weight with this probability (in ``[0, 1)``) and divide the kept ones by
+        ``1 - dropout_p``; the log-sum-exp is unaffected.
+    dropout_seed : int, optional
+        Required when ``dropout_p > 0``: the keep mask is :func:`dropout_keep_mask` of this
+        seed, the same bits on every library, device, dtype and implementation.
     return_weights : bool, default False
-        Also return the attention weights ``(..., Hq, L, S)``.
+        Also return the attention weights ``(..., Hq, L, S)`` (after dropout).
     return_lse : bool, default False
         Also return the log-sum-exp of the final scores ``(..., Hq, L)`` (in the compute
         dtype: float32 for float16/bfloat16 inputs).
@@ -253,7 +280,8 @@ def scaled_dot_product_attention(
         Arrays from different libraries, non-floating or mismatched dtypes, a non-boolean
         ``mask``, a non-floating ``bias``.
     ValueError
-        Shapes that do not fit together, out-of-range ``scale``, ``softcap`` or ``window``,
+        Shapes that do not fit together, out-of-range ``scale``, ``softcap``, ``window`` or
+        ``dropout_p`` (or no ``dropout_seed`` for it),
         unknown ``alignment`` or ``implementation``, block sizes that are not positive
         ints or are given to an implementation other than blocked.
     CannotDelegateError
@@ -291,10 +319,13 @@ def scaled_dot_product_attention(
         query_lengths=query_lengths,
         key_lengths=key_lengths,
         segment_ids=segment_ids,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
     )
     check_flag("return_weights", return_weights)
     check_flag("return_lse", return_lse)
-    x = Inputs(query, key, value, mask, bias, p.scale if p.scale_is_array else None)
+    x = Inputs(query, key, value, mask, bias, p.scale if p.scale_is_array else None, sinks)
     request = Request(x, return_weights, return_lse)
     choice = choose(p, implementation, (block_q, block_k), request=request)
     if p.S == 0 or p.L == 0:
@@ -344,13 +375,16 @@ def scaled_dot_product_attention_vjp(
     query_lengths: int | Array | None = None,
     key_lengths: int | Array | None = None,
     segment_ids: tuple[Array, Array] | None = None,
+    sinks: Array | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
     implementation: VJPImplementationName = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> tuple[Array, ...]:
     r"""Gradients of :func:`scaled_dot_product_attention` for an output cotangent.
 
-    Returns ``(dL/dQ, dL/dK, dL/dV[, dL/dBias][, dL/dscale])`` for
+    Returns ``(dL/dQ, dL/dK, dL/dV[, dL/dBias][, dL/dSinks][, dL/dscale])`` for
     ``L = sum(out * grad_output)``: the vector-Jacobian product, on any Array-API library,
     including those without autograd (NumPy, CuPy, array-api-strict, Dask).
 
@@ -360,8 +394,10 @@ def scaled_dot_product_attention_vjp(
         As for :func:`scaled_dot_product_attention`.
     grad_output : array, shape (..., Hq, L, Ev)
         Cotangent of the output: exactly the output's shape, same library and dtype.
-    mask, bias, is_causal, window, alignment, scale, softcap, enable_gqa
+    mask, bias, is_causal, window, alignment, scale, softcap, enable_gqa, sinks
         As for :func:`scaled_dot_product_attention`; ``mask`` has no gradient.
+    dropout_p, dropout_seed
+        As for the forward: the same seed regenerates the same keep mask.
     query_lengths, key_lengths, segment_ids
         As for :func:`scaled_dot_product_attention`; they have no gradient, and padded
         queries and excluded keys get gradients of exactly zero.
@@ -383,6 +419,9 @@ def scaled_dot_product_attention_vjp(
     grad_bias : array
         Only if ``bias`` is given: same shape and dtype as ``bias``, summed over the axes
         along which it was broadcast.
+    grad_sinks : array
+        Only if ``sinks`` is given (after ``grad_bias``, before ``grad_scale``): the shape
+        and dtype of ``sinks``, ``-sum_i p_sink_i (dO_i · O_i)`` over the rows it reaches.
     grad_scale : array
         Only if ``scale`` is an array: 0-d, with the dtype of ``scale``.
 
@@ -443,10 +482,13 @@ def scaled_dot_product_attention_vjp(
         query_lengths=query_lengths,
         key_lengths=key_lengths,
         segment_ids=segment_ids,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
     )
     _check_grad_output(p, query, grad_output)
     choice = choose(p, implementation, (block_q, block_k))
-    x = Inputs(query, key, value, mask, bias, p.scale if p.scale_is_array else None)
+    x = Inputs(query, key, value, mask, bias, p.scale if p.scale_is_array else None, sinks)
     if p.L == 0 or p.S == 0:  # nothing reaches the output: every gradient is zero
         return zero_gradients(p, x)
     return finish_gradients(p, x, choice.backward(p, x, grad_output))

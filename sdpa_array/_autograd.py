@@ -24,7 +24,10 @@ choice of backward kernel, because torch cannot differentiate that kernel's back
   materialized one instead (JAX differentiates it in both modes); an explicit
   ``implementation="blocked"`` raises a ``TypeError`` that says so.
 
-Both wrappers also differentiate the log-sum-exp output (``d lse_i / d z_ij = P_ij``). This
+Both wrappers take ``sinks`` like ``bias`` (a differentiable input, ``None`` when absent);
+dropout needs nothing saved, since the backward kernel regenerates its keep mask from the
+seed in the :class:`~sdpa_array._problem.Problem`. Both wrappers also differentiate the
+log-sum-exp output (``d lse_i / d z_ij = P_ij``). This
 is the only module that knows torch's and JAX's autodiff APIs.
 """
 
@@ -116,13 +119,14 @@ def _gradients(
     grad_out: Array,
     grad_lse: Array,
 ) -> tuple[Array, ...]:
-    """``(dq, dk, dv, dbias, dscale)`` from the backward kernel (``None`` for no input)."""
+    """``(dq, dk, dv, dbias, dsinks, dscale)`` from the backward kernel (``None`` for no input)."""
     raw = choice.backward(p, x, grad_out, out=out, lse=lse, grad_lse=grad_lse)
     grads = iter(finish_gradients(p, x, raw))
     dq, dk, dv = next(grads), next(grads), next(grads)
     dbias = None if x.bias is None else next(grads)
+    dsinks = None if x.sinks is None else next(grads)
     dscale = None if x.scale is None else next(grads)
-    return dq, dk, dv, dbias, dscale
+    return dq, dk, dv, dbias, dsinks, dscale
 
 
 @functools.cache
@@ -141,29 +145,30 @@ def _torch_function() -> Any:
             key: Any,
             value: Any,
             bias: Any,
+            sinks: Any,
             scale: Any,
             mask: Any,
             p: Problem,
             choice: Choice,
             backward: Choice,
         ) -> tuple[Any, Any]:
-            x = Inputs(query, key, value, mask, bias, scale)
+            x = Inputs(query, key, value, mask, bias, scale, sinks)
             return _out_and_lse(choice, _with_scale(p, scale), x)
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, Any]) -> None:
-            query, key, value, bias, scale, mask, p, _, backward = inputs
+            query, key, value, bias, sinks, scale, mask, p, _, backward = inputs
             out, lse = output
-            ctx.save_for_backward(query, key, value, bias, scale, mask, out, lse)
+            ctx.save_for_backward(query, key, value, bias, sinks, scale, mask, out, lse)
             ctx.p, ctx.backward_choice = p, backward
             ctx.set_materialize_grads(False)
 
         @staticmethod
         def backward(ctx: Any, grad_out: Any, grad_lse: Any) -> tuple[Any, ...]:
-            query, key, value, bias, scale, mask, out, lse = ctx.saved_tensors
+            query, key, value, bias, sinks, scale, mask, out, lse = ctx.saved_tensors
             if grad_out is None:
                 grad_out = torch.zeros_like(out)
-            x = Inputs(query, key, value, mask, bias, scale)
+            x = Inputs(query, key, value, mask, bias, scale, sinks)
             p = _with_scale(ctx.p, scale)
             grads = _gradients(ctx.backward_choice, p, x, out, lse, grad_out, grad_lse)
             return (*grads, None, None, None, None)
@@ -175,7 +180,9 @@ def _torch_forward(
     choice: Choice, backward: Choice, p: Problem, x: Inputs, return_lse: bool
 ) -> AttentionResult:
     function = _torch_function()
-    out, lse = function.apply(x.query, x.key, x.value, x.bias, x.scale, x.mask, p, choice, backward)
+    out, lse = function.apply(
+        x.query, x.key, x.value, x.bias, x.sinks, x.scale, x.mask, p, choice, backward
+    )
     return AttentionResult(out=out, lse=lse if return_lse else None)
 
 
@@ -184,30 +191,30 @@ def _jax_forward(choice: Choice, p: Problem, x: Inputs, return_lse: bool) -> Att
 
     @jax.custom_vjp
     def attention(
-        query: Any, key: Any, value: Any, mask: Any, bias: Any, scale: Any
+        query: Any, key: Any, value: Any, mask: Any, bias: Any, sinks: Any, scale: Any
     ) -> tuple[Any, Any]:
-        x = Inputs(query, key, value, mask, bias, scale)
+        x = Inputs(query, key, value, mask, bias, scale, sinks)
         return _out_and_lse(choice, _with_scale(p, scale), x)
 
     def fwd(
-        query: Any, key: Any, value: Any, mask: Any, bias: Any, scale: Any
+        query: Any, key: Any, value: Any, mask: Any, bias: Any, sinks: Any, scale: Any
     ) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
-        x = Inputs(query, key, value, mask, bias, scale)
+        x = Inputs(query, key, value, mask, bias, scale, sinks)
         out, lse = _out_and_lse(choice, _with_scale(p, scale), x)
-        return (out, lse), (query, key, value, mask, bias, scale, out, lse)
+        return (out, lse), (query, key, value, mask, bias, sinks, scale, out, lse)
 
     def bwd(saved: tuple[Any, ...], cotangents: tuple[Any, Any]) -> tuple[Any, ...]:
-        query, key, value, mask, bias, scale, out, lse = saved
+        query, key, value, mask, bias, sinks, scale, out, lse = saved
         grad_out, grad_lse = cotangents
-        x = Inputs(query, key, value, mask, bias, scale)
-        dq, dk, dv, dbias, dscale = _gradients(
+        x = Inputs(query, key, value, mask, bias, scale, sinks)
+        dq, dk, dv, dbias, dsinks, dscale = _gradients(
             choice, _with_scale(p, scale), x, out, lse, grad_out, grad_lse
         )
-        return dq, dk, dv, None, dbias, dscale
+        return dq, dk, dv, None, dbias, dsinks, dscale
 
     attention.defvjp(fwd, bwd)
     try:
-        out, lse = attention(x.query, x.key, x.value, x.mask, x.bias, x.scale)
+        out, lse = attention(x.query, x.key, x.value, x.mask, x.bias, x.sinks, x.scale)
     except TypeError as exc:
         if "forward-mode" not in str(exc):
             raise

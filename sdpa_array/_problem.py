@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ._compat import array_namespace, device, is_array_api_obj, known_value
+from ._kernels.dropout import check_dropout
 from ._kernels.restrictions import Band
 from ._sequences import Lengths, Segments, check_lengths, check_segments
 from ._typing import Array
@@ -61,6 +62,12 @@ class Problem:
         Valid queries and keys per sequence (``None``: all of them).
     segments : Segments or None
         Segment ids of queries and keys (packed documents).
+    has_sinks : bool
+        Whether ``sinks`` (one extra softmax logit per query head) were given.
+    dropout_p : float
+        Probability of dropping an attention weight (0: no dropout).
+    dropout_seed : int or None
+        Seed of the keep mask (given when ``dropout_p > 0``).
     """
 
     xp: ModuleType
@@ -83,6 +90,9 @@ class Problem:
     query_lengths: Lengths | None = None
     key_lengths: Lengths | None = None
     segments: Segments | None = None
+    has_sinks: bool = False
+    dropout_p: float = 0.0
+    dropout_seed: int | None = None
 
     @property
     def sequence_batch(self) -> tuple[int, ...]:
@@ -129,7 +139,8 @@ class Problem:
 class Inputs:
     """The caller's arrays, unchanged: what every implementation receives beside a Problem.
 
-    ``scale`` is the caller's ``scale`` when it is an array (``None`` when it is a number).
+    ``scale`` is the caller's ``scale`` when it is an array (``None`` when it is a number);
+    ``sinks`` the caller's sink logits (``None`` without).
     """
 
     query: Array
@@ -138,14 +149,15 @@ class Inputs:
     mask: Array = None
     bias: Array = None
     scale: Array = None
+    sinks: Array = None
 
     @property
     def differentiable(self) -> tuple[Array, ...]:
-        """``(query, key, value)``, then ``bias`` and ``scale`` when they are arrays.
+        """``(query, key, value)``, then ``bias``, ``sinks`` and ``scale`` when given as arrays.
 
         The inputs with a gradient, in the order the gradients are returned.
         """
-        extra = tuple(a for a in (self.bias, self.scale) if a is not None)
+        extra = tuple(a for a in (self.bias, self.sinks, self.scale) if a is not None)
         return (self.query, self.key, self.value, *extra)
 
 
@@ -230,6 +242,19 @@ def _window(window: Any) -> tuple[int | None, int | None] | None:
     return sides[0], sides[1]
 
 
+def _check_sinks(xp: ModuleType, sinks: Any, batch: tuple[int, ...]) -> None:
+    """``sinks`` must be a floating array broadcastable to the batch shape ``(..., Hq)``."""
+    if sinks is None:
+        return
+    if not xp.isdtype(sinks.dtype, "real floating"):
+        raise TypeError(f"sinks must have a real floating dtype, got {sinks.dtype}")
+    if _broadcast(tuple(sinks.shape), batch) != batch:
+        raise ValueError(
+            f"sinks of shape {tuple(sinks.shape)} does not broadcast to the batch and heads "
+            f"shape (..., Hq) = {batch} (one logit per query head)"
+        )
+
+
 def _check_dtypes(xp: ModuleType, query: Any, key: Any, value: Any, mask: Any, bias: Any) -> None:
     named = {"query": query, "key": key, "value": value}
     for name, arr in named.items():
@@ -306,6 +331,9 @@ def validate(
     query_lengths: Any = None,
     key_lengths: Any = None,
     segment_ids: Any = None,
+    sinks: Any = None,
+    dropout_p: Any = 0.0,
+    dropout_seed: Any = None,
 ) -> Problem:
     """Check every argument and return the :class:`Problem` they describe.
 
@@ -313,13 +341,16 @@ def validate(
     ------
     TypeError
         Wrong kinds of argument: non-arrays, mixed libraries, non-floating or mixed dtypes,
-        a non-boolean ``mask``, a non-floating ``bias``, a ``scale`` that is neither a real
-        number nor a floating 0-d array of the inputs' library.
+        a non-boolean ``mask``, a non-floating ``bias`` or ``sinks``, a ``scale`` that is
+        neither a real number nor a floating 0-d array of the inputs' library, a
+        ``dropout_seed`` that is not an int.
     ValueError
         Inconsistent shapes or out-of-range options (a ``scale`` array's value only where it
-        can be read: not on lazy Dask arrays or JAX tracers); the message names both.
+        can be read: not on lazy Dask arrays or JAX tracers); the message names both. Also
+        ``dropout_p`` outside ``[0, 1)``, or above 0 without ``dropout_seed``.
     """
-    xp = array_namespace({"query": query, "key": key, "value": value, "mask": mask, "bias": bias})
+    named = {"query": query, "key": key, "value": value, "mask": mask, "bias": bias}
+    xp = array_namespace({**named, "sinks": sinks})
     for name, arr in (("query", query), ("key", key), ("value", value)):
         if arr.ndim < 2:
             raise ValueError(
@@ -357,6 +388,8 @@ def validate(
                 f"shape (..., Hq, L, S) = {score_shape}"
             )
 
+    _check_sinks(xp, sinks, batch)
+    drop_p, drop_seed = check_dropout(dropout_p, dropout_seed)
     scale_value = _scale(xp, query, scale, E)
     softcap_value = None if softcap is None else _positive_finite("softcap", softcap)
 
@@ -392,4 +425,7 @@ def validate(
         query_lengths=q_lengths,
         key_lengths=k_lengths,
         segments=segments,
+        has_sinks=sinks is not None,
+        dropout_p=drop_p,
+        dropout_seed=drop_seed,
     )

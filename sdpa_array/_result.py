@@ -50,13 +50,15 @@ class RawGrads:
     ``dq`` is in the grouped query layout; ``dk`` and ``dv`` are ``(..., Hkv, S, E|Ev)``
     with the query heads of each group already summed; ``dbias`` is the score gradient,
     reduced at least to something that broadcasts to the grouped scores (``None`` without
-    a bias). Leading axes may still be those of the broadcast batch.
+    a bias). ``dsinks`` is the sinks' gradient ``(..., 1, 1)`` in the grouped layout
+    (``None`` without sinks). Leading axes may still be those of the broadcast batch.
     """
 
     dq: Array
     dk: Array
     dv: Array
     dbias: Array = None
+    dsinks: Array = None
 
 
 def empty_result(p: Problem) -> AttentionResult:
@@ -103,14 +105,17 @@ def zero_gradients(p: Problem, x: Inputs) -> tuple[Array, ...]:
 def finish_gradients(p: Problem, x: Inputs, raw: RawGrads) -> tuple[Array, ...]:
     """Sum each gradient to its input's shape and cast it to that input's dtype.
 
-    Returns ``(grad_query, grad_key, grad_value)``, then ``grad_bias`` when there is a bias
-    and ``grad_scale`` when ``scale`` is an array. ``grad_scale`` comes from ``dQ``: every
-    score is ``scale · q·k``, so ``dL/dscale = Σ dS ⊙ (Q Kᵀ) = Σ Q ⊙ dQ / scale``.
+    Returns ``(grad_query, grad_key, grad_value)``, then ``grad_bias`` when there is a bias,
+    ``grad_sinks`` when there are sinks and ``grad_scale`` when ``scale`` is an array.
+    ``grad_scale`` comes from ``dQ``: every score is ``scale · q·k``, so
+    ``dL/dscale = Σ dS ⊙ (Q Kᵀ) = Σ Q ⊙ dQ / scale``.
     """
     xp = p.xp
     grads = [ungroup(p, raw.dq), raw.dk, raw.dv]
     if x.bias is not None:
         grads.append(ungroup(p, raw.dbias))
+    if x.sinks is not None:
+        grads.append(ungroup(p, raw.dsinks)[..., 0, 0])
     summed = [
         sum_to_shape(xp, g, tuple(a.shape)) for g, a in zip(grads, x.differentiable, strict=False)
     ]

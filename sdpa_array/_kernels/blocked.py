@@ -39,13 +39,21 @@ def _query_block(
     """
     xp = p.xp
     rows = slice(block.start, block.stop)
+    terms = ops.terms
     if not block.tiles:
         n = block.stop - block.start
         out = xp.zeros((*inner, n, p.Ev), dtype=p.compute_dtype, device=p.device)
-        lse = xp.full((*inner, n), -math.inf, dtype=p.compute_dtype, device=p.device)
+        if terms.sink is None:
+            lse = xp.full((*inner, n), -math.inf, dtype=p.compute_dtype, device=p.device)
+        else:  # only the sink is left in each row
+            lse = xp.broadcast_to(terms.sink, (*inner, n, 1))[..., 0]
         return out, lse
     q = ops.q[..., rows, :]
     running_max = total = acc = ref = None
+    if terms.sink is not None:  # the sink starts each row: m = sink, l = exp(sink - m)
+        running_max = terms.sink
+        ref = exp_shift(p, running_max)
+        total = xp.exp(running_max - ref)
     for tile in block.tiles:
         cols = slice(tile.start, tile.stop)
         s, _ = tile_scores(p, ops, q, rows, cols)
@@ -55,6 +63,8 @@ def _query_block(
         e = xp.exp(inplace.subtract(s, new_ref))
         del s
         tile_total = xp.sum(e, axis=-1, keepdims=True)
+        if ops.dropout is not None:  # dropped after the softmax; 1 / (1 - p) comes last
+            e = ops.dropout.tile(xp, e, rows, cols, p.device, scaled=False)
         tile_out = xp.matmul(e, ops.v[..., cols, :])
         del e
         if running_max is None:
@@ -62,9 +72,10 @@ def _query_block(
         else:
             alpha = xp.exp(running_max - new_ref)  # 0 while the row had no admissible key
             total = total * alpha + tile_total
-            acc = acc * alpha + tile_out
+            acc = tile_out if acc is None else acc * alpha + tile_out
         running_max, ref = new_max, new_ref
-    out = acc * safe_reciprocal(p, total)
+    inv = safe_reciprocal(p, total)
+    out = acc * (inv if ops.dropout is None else inv * ops.dropout.factor)
     lse = log_sum_exp(p, ref, total)
     # every operand may broadcast along an inner batch axis that the output has
     out = broadcast_if_needed(xp, out, (*inner, *out.shape[-2:]))

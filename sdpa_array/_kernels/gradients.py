@@ -13,6 +13,17 @@ softmax Jacobian ``dp_j/dz_k = p_j (delta_jk - p_k)``:
 A cotangent ``g`` of the log-sum-exp adds ``P * g`` to ``dZ`` (``d lse_i / d z_ij = P_ij``), so
 it folds into ``D`` as ``D - g``.
 
+Sinks: a sink is one more logit per row whose value is zero, so ``dZ`` keeps its form and
+``D`` gets no sink term; ``P = exp(Z - lse)`` with the log-sum-exp that includes the sink,
+or the tile's softmax with ``exp(sink - m)`` in its denominator. With ``p_sink`` the sink's
+share of a row, the sink's own gradient is ``dZ_sink = p_sink * (0 - D)``, summed over the
+rows: by each tile that holds whole rows (:attr:`TileGrads.dsink`), else from the saved
+log-sum-exp (:func:`sink_gradient`).
+
+Dropout: with ``M = keep / (1 - p)`` the output is ``(P * M) V``, so ``dV = (P * M)ᵀ dO`` and
+``dP = (dO Vᵀ) * M``; ``D = rowsum(P * dP) = rowsum(dO * O)`` still holds. The keep mask is
+regenerated from the tile's absolute indices (:mod:`.dropout`).
+
 Every function here works on one (query tile, key tile) pair in the kernel layout, so that a
 tile's ``P`` is either the softmax of the tile (when it covers every admissible key of its
 rows) or ``exp(Z - lse)`` from a saved log-sum-exp. Excluded keys have ``P = 0`` and rows with
@@ -28,8 +39,9 @@ from .._typing import Array
 from . import inplace
 from .layout import merge_groups
 from .operands import Operands, prepare, prepare_rows, tile_scores
+from .score_terms import ScoreTerms
 from .slicing import at_batch
-from .softmax import exp_shift, safe_reciprocal, safe_row_max
+from .softmax import exp_shift, safe_reciprocal
 
 __all__ = [
     "BackwardOperands",
@@ -37,6 +49,7 @@ __all__ = [
     "TileGrads",
     "prepare_backward",
     "row_delta",
+    "sink_gradient",
     "tile_gradients",
 ]
 
@@ -120,13 +133,16 @@ class TileGrads:
 
     ``dq`` is ``(..., rows, E)``; ``dk`` and ``dv`` are ``(..., Hkv, cols, E|Ev)`` already summed
     over the query heads of each group; ``dz`` is the gradient of the tile's final scores
-    (``dBias``), or ``None`` when no bias needs it.
+    (``dBias``), or ``None`` when no bias needs it; ``dsink`` is the sinks' gradient from the
+    tile's rows, ``(..., 1, 1)``, when the tile holds whole rows (else ``None``:
+    :func:`sink_gradient` then gives it from the log-sum-exp).
     """
 
     dq: Array
     dk: Array
     dv: Array
     dz: Array
+    dsink: Array = None
 
 
 def prepare_backward(
@@ -153,17 +169,24 @@ def prepare_backward(
     )
 
 
-def _probabilities(p: Problem, s: Array, lse_rows: Array) -> Array:
-    """``P`` of a tile from its final scores ``s``, which this consumes.
+def _probabilities(p: Problem, terms: ScoreTerms, s: Array, lse_rows: Array) -> tuple[Array, Array]:
+    """``P`` of a tile from its final scores ``s``, which this consumes, and the sink's share.
 
     With ``lse_rows=None`` the tile holds every admissible key of its rows and ``P`` is its
-    row-wise softmax; otherwise ``P = exp(s - lse)``.
+    row-wise softmax (the sink in its denominator), and the sink's share ``p_sink``
+    ``(..., 1)`` is returned too; otherwise ``P = exp(s - lse)`` and ``p_sink`` is ``None``.
     """
     xp = p.xp
-    if lse_rows is None:
-        prob = xp.exp(inplace.subtract(s, safe_row_max(p, s)))
-        return inplace.multiply(prob, safe_reciprocal(p, xp.sum(prob, axis=-1, keepdims=True)))
-    return xp.exp(inplace.subtract(s, lse_rows))
+    if lse_rows is not None:
+        return xp.exp(inplace.subtract(s, lse_rows)), None
+    ref = exp_shift(p, terms.row_max(xp, xp.max(s, axis=-1, keepdims=True)))
+    prob = xp.exp(inplace.subtract(s, ref))
+    total = xp.sum(prob, axis=-1, keepdims=True)
+    sink = terms.sink_total(xp, ref)
+    if sink is not None:
+        total = total + sink
+    inv = safe_reciprocal(p, total)
+    return inplace.multiply(prob, inv), None if sink is None else sink * inv
 
 
 def row_delta(p: Problem, d_out: Array, out: Array, grad_lse: Array) -> Array:
@@ -171,6 +194,19 @@ def row_delta(p: Problem, d_out: Array, out: Array, grad_lse: Array) -> Array:
     xp = p.xp
     delta = xp.sum(d_out * out, axis=-1, keepdims=True)
     return delta if grad_lse is None else delta - grad_lse
+
+
+def sink_gradient(p: Problem, b: BackwardOperands) -> Array:
+    """``dSink = -sum_i p_sink_i D_i`` with ``p_sink = exp(sink - lse)``, ``(..., 1, 1)``.
+
+    ``D`` includes the log-sum-exp cotangent (``d lse_i / d sink = p_sink_i``). Needs the
+    forward pass's output and log-sum-exp in ``b``.
+    """
+    xp = p.xp
+    sink = b.ops.terms.sink
+    p_sink = xp.exp(sink - b.lse)
+    delta = row_delta(p, b.d_out, b.out, b.grad_lse)
+    return -xp.sum(p_sink * delta, axis=-2, keepdims=True)
 
 
 def tile_gradients(
@@ -201,17 +237,24 @@ def tile_gradients(
     k = ops.k[..., cols, :]
     v = ops.v[..., cols, :]
     s, factor = tile_scores(p, ops, r.q, rows, cols, need_factor=True)
-    prob = _probabilities(p, s, r.lse)
+    prob, p_sink = _probabilities(p, ops.terms, s, r.lse)
     del s
     d_prob = xp.matmul(r.d_out, xp.matrix_transpose(v))
+    kept = prob
+    if ops.dropout is not None:
+        keep = ops.dropout.keep(xp, rows, cols, p.device)
+        d_prob = ops.dropout.apply(xp, d_prob, keep)
+        kept = ops.dropout.apply(xp, prob, keep)
     delta = r.delta
     if delta is None:
         delta = xp.vecdot(prob, d_prob)[..., None]
         if r.grad_lse is not None:
             delta = delta - r.grad_lse
+    # the sink's dZ is p_sink * (0 - D), its value being zero
+    dsink = None if p_sink is None else -xp.sum(p_sink * delta, axis=-2, keepdims=True)
     dz = inplace.multiply(inplace.subtract(d_prob, delta), prob)  # P * (dP - D)
-    dv = xp.matmul(xp.matrix_transpose(merge_groups(p, prob)), merge_groups(p, r.d_out))
-    del prob
+    dv = xp.matmul(xp.matrix_transpose(merge_groups(p, kept)), merge_groups(p, r.d_out))
+    del prob, kept
     if factor is None:
         ds = dz
     elif need_dz:
@@ -222,4 +265,4 @@ def tile_gradients(
     if factor is None:
         dq = inplace.multiply(dq, ops.terms.scale)
     dk = xp.matmul(xp.matrix_transpose(merge_groups(p, ds)), merge_groups(p, r.q))
-    return TileGrads(dq=dq, dk=dk, dv=dv, dz=dz if need_dz else None)
+    return TileGrads(dq=dq, dk=dk, dv=dv, dz=dz if need_dz else None, dsink=dsink)

@@ -2,6 +2,8 @@
 
 The textbook computation (scores, stable softmax, product with V) in the compute dtype, as
 one tile covering every query and key: the simplest kernel, and the fastest for small calls.
+Sinks add ``exp(sink - m)`` to each row's denominator (``m`` the larger of the row maximum and
+the sink); dropout zeroes weights after the softmax, so the log-sum-exp ignores it.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from .._problem import Inputs, Problem
 from .._result import AttentionResult
 from .layout import ungroup
 from .operands import prepare, tile_scores
-from .softmax import log_sum_exp, safe_reciprocal, safe_row_max
+from .softmax import exp_shift, log_sum_exp, safe_reciprocal
 
 __all__ = ["materialized_attention"]
 
@@ -21,11 +23,18 @@ def materialized_attention(
     """Attention with the full score matrix; memory ``O(L * S)`` per batch and head."""
     xp = p.xp
     ops = prepare(p, x)
-    s, _ = tile_scores(p, ops, ops.q, slice(0, p.L), slice(0, p.S))
-    row_max = safe_row_max(p, s)
+    rows, cols = slice(0, p.L), slice(0, p.S)
+    s, _ = tile_scores(p, ops, ops.q, rows, cols)
+    row_max = exp_shift(p, ops.terms.row_max(xp, xp.max(s, axis=-1, keepdims=True)))
     e = xp.exp(s - row_max)
     total = xp.sum(e, axis=-1, keepdims=True)
+    sink = ops.terms.sink_total(xp, row_max)
+    if sink is not None:
+        total = total + sink
     inv = safe_reciprocal(p, total)
+    if ops.dropout is not None:
+        e = ops.dropout.tile(xp, e, rows, cols, p.device, scaled=False)
+        inv = inv * ops.dropout.factor
     out = ungroup(p, xp.matmul(e, ops.v) * inv)
     weights = ungroup(p, e * inv) if return_weights else None
     lse = ungroup(p, log_sum_exp(p, row_max, total)[..., None])[..., 0] if return_lse else None

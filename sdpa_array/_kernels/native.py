@@ -17,9 +17,9 @@ What every delegation does the same way (so the kernels' own rules never leak ou
   the diagonal at key ``i`` (``"top_left"``, or ``L == S``) and no window; every other
   positional restriction (bottom-right with ``L != S``, windows) becomes an explicit
   boolean mask built from the call's :class:`~.restrictions.Band` (``builds_mask``);
-* rows with no admissible key are set to zeros and a log-sum-exp of ``-inf`` afterwards,
-  whatever the kernel returned there (torch before 2.5 gives NaN, JAX the mean of the
-  values or NaN);
+* rows with no admissible key get zeros and a log-sum-exp of ``-inf`` afterwards, whatever
+  the kernel gave (torch < 2.5: NaN; JAX: the mean of the values or NaN); sinks and
+  dropout are refused (no kernel has the first, none draws the keep mask's bits);
 * ``return_weights`` needs the kernel's log-sum-exp: the weights are then formed once as
   ``exp(scores - lse)`` with the shared score builder (the output and log-sum-exp still
   come from the kernel).
@@ -123,9 +123,7 @@ class NativeKernel:
     plan: Callable[[Problem, Request], Delegation]
 
 
-# ----------------------------------------------------------------------------------------
-# shared, library-independent pieces
-# ----------------------------------------------------------------------------------------
+# --- shared, library-independent pieces ---------------------------------------------------
 
 
 def _refuse(reason: str) -> CannotDelegateError:
@@ -133,12 +131,15 @@ def _refuse(reason: str) -> CannotDelegateError:
 
 
 def _common_checks(p: Problem) -> None:
-    if p.has_sequences:
-        raise _refuse("query/key lengths and segment ids are not delegated")
-    if p.softcap is not None:
-        raise _refuse("no native kernel applies a softcap")
-    if p.E == 0:
-        raise _refuse("E == 0 (empty feature axis)")
+    for refused, reason in (
+        (p.has_sequences, "query/key lengths and segment ids are not delegated"),
+        (p.softcap is not None, "no native kernel applies a softcap"),
+        (p.has_sinks, "no native kernel adds attention sinks"),
+        (p.dropout_p > 0, "native dropout does not draw dropout_keep_mask's bits"),
+        (p.E == 0, "E == 0 (empty feature axis)"),
+    ):
+        if refused:
+            raise _refuse(reason)
 
 
 @dataclass(frozen=True)
@@ -302,9 +303,7 @@ def _from_four_d(p: Problem, x: Any, tail: tuple[int, ...]) -> Any:
     return p.xp.reshape(x, (*p.batch_shape, *tail))
 
 
-# ----------------------------------------------------------------------------------------
-# torch
-# ----------------------------------------------------------------------------------------
+# --- torch --------------------------------------------------------------------------------
 
 
 @functools.cache
@@ -392,9 +391,7 @@ def _plan_torch_cpu_flash(p: Problem, req: Request) -> Delegation:
     )
 
 
-# ----------------------------------------------------------------------------------------
-# JAX
-# ----------------------------------------------------------------------------------------
+# --- JAX ----------------------------------------------------------------------------------
 
 
 @functools.cache

@@ -8,8 +8,9 @@
    two), else the scores of each tile are scaled; with grouped-query
    attention the query heads are split into ``(Hkv, G)`` so that keys and values are never
    repeated in memory;
-2. the bias becomes a :class:`ScoreTerms` member, the mask and the causal/window band
-   members of one :class:`Restrictions`.
+2. the bias and the sinks become :class:`ScoreTerms` members, dropout a
+   :class:`~.dropout.Dropout` with one hash key per batch element and head, the mask and
+   the causal/window band members of one :class:`Restrictions`.
 
 :func:`tile_scores` then gives the final scores of any (query rows, key columns) tile, and
 every kernel, forward or backward, materialized or blocked, goes through it.
@@ -23,6 +24,7 @@ from typing import Any
 
 from .._problem import Inputs, Problem
 from .._typing import Array
+from .dropout import Dropout, key_grid
 from .layout import (
     at_batch,
     broadcast_if_needed,
@@ -50,6 +52,8 @@ class Operands:
         What turns ``q kᵀ`` into scores.
     restrictions : Restrictions
         Which pairs are admissible.
+    dropout : Dropout or None
+        Dropout of the weights (``None`` without).
     """
 
     q: Array
@@ -57,6 +61,7 @@ class Operands:
     v: Array
     terms: ScoreTerms
     restrictions: Restrictions
+    dropout: Dropout | None = None
 
     def at(self, index: tuple[int, ...]) -> Operands:
         """The operands of the outer batch slice ``index``."""
@@ -68,6 +73,7 @@ class Operands:
             v=at_batch(self.v, index),
             terms=self.terms.at(index),
             restrictions=self.restrictions.at(index),
+            dropout=None if self.dropout is None else self.dropout.at(index),
         )
 
 
@@ -107,7 +113,14 @@ def prepare(p: Problem, x: Inputs) -> Operands:
         return leading_axes(xp, t, ndim)
 
     bias = None if x.bias is None else xp.astype(x.bias, p.compute_dtype, copy=False)
-    terms = ScoreTerms(kernel_scale(p), p.softcap, layout(bias, term=True))
+    sink = None
+    if x.sinks is not None:
+        sink = xp.astype(x.sinks, p.compute_dtype, copy=False)[..., None, None]
+    terms = ScoreTerms(kernel_scale(p), p.softcap, layout(bias, term=True), layout(sink, term=True))
+    dropout = None
+    if p.dropout_p > 0:
+        keys = key_grid(xp, p.dropout_seed or 0, p.batch_shape, p.device)[..., None, None]
+        dropout = Dropout(p.dropout_p, layout(keys, term=True))
     q = xp.astype(x.query, p.compute_dtype, copy=False)
     if terms.scale_in_query:
         q = q * terms.scale
@@ -122,6 +135,7 @@ def prepare(p: Problem, x: Inputs) -> Operands:
         v=layout(xp.astype(x.value, p.compute_dtype, copy=False)),
         terms=terms,
         restrictions=Restrictions(tuple(members), p.L, p.S),
+        dropout=dropout,
     )
 
 

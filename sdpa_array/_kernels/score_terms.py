@@ -3,9 +3,12 @@
 Every term that changes a score's *value* lives in :class:`ScoreTerms`, applied tile by
 tile in the order of the public definition: the ``scale`` (folded into the query when
 that rounds nothing, see :attr:`ScoreTerms.scale_in_query`), the ``softcap``
-(``c · tanh(s / c)``) and the additive ``bias``. Restrictions, which only *exclude* scores, live in
-:mod:`sdpa_array._kernels.restrictions`. New terms (bias functions, sinks) become fields and
-steps of this class, so the forward and backward kernels pick them up together.
+(``c · tanh(s / c)``) and the additive ``bias``; then the softmax's own term, the ``sink``
+(one logit per query head whose value is zero: :meth:`ScoreTerms.row_max` and
+:meth:`ScoreTerms.sink_total` are its steps in the softmax and the online softmax).
+Restrictions, which only *exclude* scores, live in :mod:`sdpa_array._kernels.restrictions`.
+New terms (bias functions, sinks) become fields and steps of this class, so the forward and
+backward kernels pick them up together.
 """
 
 from __future__ import annotations
@@ -33,11 +36,16 @@ class ScoreTerms:
         Tanh soft-capping of the scaled scores.
     bias : array or None
         Additive term ``(..., L|1, S|1)`` in the compute dtype.
+    sink : array or None
+        The sink logits ``(..., 1, 1)`` in the compute dtype: every row's softmax
+        denominator gets ``exp(sink)``, and the sink adds nothing to the output. Not scaled,
+        capped or masked.
     """
 
     scale: float | Array
     softcap: float | None
     bias: Array
+    sink: Array = None
 
     @property
     def scale_in_query(self) -> bool:
@@ -59,9 +67,20 @@ class ScoreTerms:
 
     def at(self, index: tuple[int, ...]) -> ScoreTerms:
         """The terms of the outer batch slice ``index``."""
-        if self.bias is None or not index:
+        if (self.bias is None and self.sink is None) or not index:
             return self
-        return ScoreTerms(self.scale, self.softcap, at_batch(self.bias, index))
+        return ScoreTerms(
+            self.scale, self.softcap, at_batch(self.bias, index), at_batch(self.sink, index)
+        )
+
+    def row_max(self, xp: ModuleType, tile_max: Array) -> Array:
+        """The reference to subtract before ``exp``: the rows' maximum score ``(..., 1)``,
+        and the sink where it is larger (so ``exp(sink - m) <= 1`` too)."""
+        return tile_max if self.sink is None else xp.maximum(tile_max, self.sink)
+
+    def sink_total(self, xp: ModuleType, ref: Array) -> Array:
+        """The sink's term ``exp(sink - ref)`` of the softmax denominator, or ``None``."""
+        return None if self.sink is None else xp.exp(self.sink - ref)
 
     def apply(
         self, xp: ModuleType, raw: Array, rows: slice, cols: slice, *, need_factor: bool = False

@@ -26,7 +26,9 @@ Where the probabilities come from
   five matrix products.
 * Otherwise ``P = exp(Z - lse)`` with the log-sum-exp of the blocked forward pass, and
   ``D = rowsum(dO * O)`` with its output: FlashAttention-2's recomputation. Under autograd
-  the forward's output and log-sum-exp are saved, and they are always used.
+  the forward's output and log-sum-exp are saved, and they are always used. A sink is in
+  each tile's softmax denominator, and its gradient comes from the tiles holding whole rows
+  or from the saved log-sum-exp (which includes it).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from .._problem import Inputs, Problem
 from .._result import RawGrads
 from .._typing import Array
 from .blocked import blocked_attention
-from .gradients import BackwardOperands, prepare_backward, tile_gradients
+from .gradients import BackwardOperands, prepare_backward, sink_gradient, tile_gradients
 from .layout import concat, sum_to_shape
 from .operands import prepare
 from .parallel import get_num_threads, map_blocks
@@ -71,6 +73,7 @@ class _Sums:
     dk: dict[Any, Array] = field(default_factory=dict)
     dv: dict[Any, Array] = field(default_factory=dict)
     bias: dict[Any, Array] = field(default_factory=dict)
+    sink: dict[Any, Array] = field(default_factory=dict)
 
 
 def _add(acc: dict[Any, Array], key: Any, x: Array) -> None:
@@ -100,6 +103,8 @@ def _query_block(
             continue  # this sequence's lengths or segments exclude the tile
         t = tile_gradients(p, ops, r, rows, cols, need_dz=bias is not None)
         _add(sums.dq, block.start, t.dq)
+        if t.dsink is not None:
+            _add(sums.sink, None, sum_to_shape(xp, t.dsink, tuple(ops.terms.sink.shape)))
         dk = sum_to_shape(xp, t.dk, (*lead_k, z - a, p.E))
         dv = sum_to_shape(xp, t.dv, (*lead_v, z - a, p.Ev))
         for c, piece in _grid_pieces(plan, a, z):
@@ -158,6 +163,8 @@ def _sum_items(b: BackwardOperands, items: list[tuple[Index, Any]], results: lis
         b_index = _index_in(ops.terms.bias, index) if ops.terms.bias is not None else ()
         for (row_key, col_key), dz in r.bias.items():
             _add(total.bias, (b_index, row_key, col_key), dz)
+        for ds in r.sink.values():
+            _add(total.sink, _index_in(ops.terms.sink, index), ds)
     return total
 
 
@@ -221,6 +228,16 @@ class _Assembly:
             ),
         )
 
+    def sink(self, acc: dict[Any, Array], like: Array) -> Array:
+        """``dSinks`` in the prepared sinks' shape ``(..., 1, 1)``; zeros where no tile was."""
+        p = self.p
+
+        def piece(index: Index, shape: tuple[int, ...]) -> Array:
+            x = acc.get(index)
+            return x if x is not None else p.xp.zeros(shape, dtype=p.compute_dtype, device=p.device)
+
+        return self.stack(like, piece)
+
     def bias(self, acc: dict[Any, Array], like: Array) -> Array:
         """``dBias`` in the padded prepared bias's shape (broadcast axes kept at 1)."""
         rows: list[tuple[int | None, int]] = [(None, 1)]
@@ -243,6 +260,14 @@ class _Assembly:
                 axis=-2,
             ),
         )
+
+
+def _sink_gradient(p: Problem, b: BackwardOperands, asm: _Assembly, sums: _Sums) -> Array:
+    """The sinks' gradient: from the saved log-sum-exp, or the tiles' sums (whole rows)."""
+    sink = b.ops.terms.sink
+    if sink is None:
+        return None
+    return sink_gradient(p, b) if b.lse is not None else asm.sink(sums.sink, sink)
 
 
 def blocked_vjp(
@@ -276,7 +301,8 @@ def blocked_vjp(
     """
     ops = prepare(p, x)
     plan = plan_backward(p, ops.restrictions, block_q, block_k)
-    if out is None and not plan.rows_fit_one_tile:
+    sink_needs_lse = x.sinks is not None and grad_lse is not None
+    if out is None and (not plan.rows_fit_one_tile or sink_needs_lse):
         forward = blocked_attention(
             p, x, return_weights=False, return_lse=True, block_q=block_q, block_k=block_k
         )
@@ -302,4 +328,5 @@ def blocked_vjp(
         dk=asm.key_value(sums.dk, ops.k, p.E),
         dv=asm.key_value(sums.dv, ops.v, p.Ev),
         dbias=None if ops.terms.bias is None else asm.bias(sums.bias, ops.terms.bias),
+        dsinks=_sink_gradient(p, b, asm, sums),
     )

@@ -11,7 +11,8 @@ from __future__ import annotations
 from .._problem import Inputs, Problem
 from .._result import RawGrads
 from .._typing import Array
-from .gradients import prepare_backward, tile_gradients
+from .gradients import prepare_backward, sink_gradient, tile_gradients
+from .materialized import materialized_attention
 
 __all__ = ["materialized_vjp"]
 
@@ -29,9 +30,14 @@ def materialized_vjp(
 
     ``out`` and ``lse`` (the forward pass's, either both or neither) let the probabilities
     come from the log-sum-exp; without them they are the softmax of the scores, and
-    ``D = rowsum(P * dP)``; ``grad_lse`` is a log-sum-exp cotangent ``(..., Hq, L)``.
+    ``D = rowsum(P * dP)`` (the sink in the softmax's denominator); ``grad_lse`` is a
+    log-sum-exp cotangent ``(..., Hq, L)``.
     """
+    if x.sinks is not None and out is None and grad_lse is not None:  # g needs O and lse
+        forward = materialized_attention(p, x, return_weights=False, return_lse=True)
+        out, lse = forward.out, forward.lse
     b = prepare_backward(p, x, grad_output, out=out, lse=lse, grad_lse=grad_lse)
     rows = slice(0, p.L)
     t = tile_gradients(p, b.ops, b.rows(p, rows), rows, slice(0, p.S), need_dz=x.bias is not None)
-    return RawGrads(dq=t.dq, dk=t.dk, dv=t.dv, dbias=t.dz)
+    dsinks = t.dsink if x.sinks is None or b.lse is None else sink_gradient(p, b)
+    return RawGrads(dq=t.dq, dk=t.dk, dv=t.dv, dbias=t.dz, dsinks=dsinks)

@@ -31,10 +31,15 @@ shape ``(..., Hkv, S, Ev)`` (the heads axis is optional, leading batch axes broa
       ``diag = i + key_lengths[b] - query_lengths[b]`` for ``"bottom_right"`` (lengths not
       given count as ``L`` and ``S``);
 
-5. ``P = softmax(z)`` row-wise and ``out = P V``.
+5. ``P = softmax(z)`` row-wise and ``out = P V``; with ``sinks`` the softmax runs over
+   ``[z, sink_h]`` and the sink's column (whose value is zero) is dropped, so rows sum to
+   less than one and ``lse`` includes the sink; with ``dropout_p`` the weights are multiplied
+   by ``dropout_keep_mask(dropout_seed, shape, dropout_p) / (1 - dropout_p)`` before ``V``
+   (``lse`` is unaffected).
 
 A query row with no admissible key (padded queries among them) yields an output row of
-zeros, weights of zeros and a log-sum-exp of ``-inf``, and has no gradient.
+zeros, weights of zeros and a log-sum-exp of ``-inf`` (``sink_h`` with sinks), and passes
+no gradient to queries, keys or values.
 
 Examples
 --------

@@ -28,6 +28,9 @@ def scaled_dot_product_attention(
     query_lengths: Any = None,
     key_lengths: Any = None,
     segment_ids: tuple[Any, Any] | None = None,
+    sinks: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, ...]:
@@ -75,8 +78,18 @@ def scaled_dot_product_attention(
         ``(query_segments, key_segments)``, broadcastable to ``batch + (L,)`` and
         ``batch + (S,)`` (no heads axis): query ``i`` may attend key ``j`` only if
         ``query_segments[b, i] == key_segments[b, j]`` (packed documents).
+    sinks : array_like, optional
+        One logit per query head, broadcastable to ``(..., Hq)``: each row's softmax gets
+        the extra term ``exp(sinks[..., h])``, whose value is zero, so
+        ``p_j = exp(z_j) / (exp(sink) + sum_k exp(z_k))``. ``lse`` includes it; a row with
+        no admissible key has zero output and ``lse = sink``. Not scaled, capped or masked.
+    dropout_p : float, default 0.0
+        Probability of dropping each weight; kept weights are divided by ``1 - dropout_p``.
+        The mask is :func:`sdpa_array.dropout_keep_mask` of ``dropout_seed``.
+    dropout_seed : int, optional
+        Required when ``dropout_p > 0``.
     return_weights : bool, default False
-        Also return the attention weights, shape ``(..., Hq, L, S)``.
+        Also return the attention weights (after dropout), shape ``(..., Hq, L, S)``.
     return_lse : bool, default False
         Also return the log-sum-exp of the final scores, shape ``(..., Hq, L)``.
 
@@ -143,13 +156,16 @@ def scaled_dot_product_attention(
         query_lengths,
         key_lengths,
         segment_ids,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
     )
     fwd = forward_pass(prep, is_causal, window, alignment, softcap)
     if not (return_weights or return_lse):
         return fwd["out"]
     result = [fwd["out"]]
     if return_weights:
-        result.append(fwd["weights"])
+        result.append(fwd["dropped"])
     if return_lse:
         result.append(fwd["lse"])
     return tuple(result)
@@ -172,6 +188,9 @@ def intermediates(
     query_lengths: Any = None,
     key_lengths: Any = None,
     segment_ids: tuple[Any, Any] | None = None,
+    sinks: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
 ) -> dict[str, Any]:
     """Every intermediate of the oracle's forward pass, in float64, for error analysis.
 
@@ -198,6 +217,9 @@ def intermediates(
         query_lengths,
         key_lengths,
         segment_ids,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
     )
     fwd = forward_pass(prep, is_causal, window, alignment, softcap)
     keep = ("q", "k_rep", "v_rep", "group", "scale")

@@ -32,6 +32,10 @@ def validate_and_prepare(
     query_lengths: Any = None,
     key_lengths: Any = None,
     segment_ids: Any = None,
+    *,
+    sinks: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
 ) -> dict[str, Any]:
     """Convert the inputs, check their shapes and expand GQA heads.
 
@@ -41,7 +45,9 @@ def validate_and_prepare(
     an array), ``mask`` / ``bias`` as NumPy arrays or ``None``, ``batch`` (the broadcast
     leading shape without the heads axis), ``query_lengths`` / ``key_lengths`` (int64 of
     shape ``batch``, ``L`` / ``S`` where not given) and ``segments`` (``None`` or the pair
-    of segment id arrays broadcast to ``batch + (L,)`` and ``batch + (S,)``).
+    of segment id arrays broadcast to ``batch + (L,)`` and ``batch + (S,)``), ``sinks``
+    (float64 broadcast to ``(..., Hq)`` or ``None``) with ``sinks_shape`` (its own shape),
+    ``dropout_p`` and ``dropout_seed``.
     """
     q = as_float64(query)
     k = as_float64(key)
@@ -104,6 +110,22 @@ def validate_and_prepare(
             raise TypeError(f"mask must be boolean (True = may attend), got {mask_np.dtype}")
     bias_np = None if bias is None else as_float64(bias)
 
+    sinks_np, sinks_shape = None, None
+    if sinks is not None:
+        sinks_np = as_float64(sinks)
+        sinks_shape = sinks_np.shape
+        try:
+            fits = np.broadcast_shapes(sinks_shape, lead) == tuple(lead)
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"sinks of shape {sinks_shape} do not broadcast to {lead}")
+        sinks_np = np.broadcast_to(sinks_np, lead)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0 and dropout_seed is None:
+        raise ValueError("dropout_p > 0 needs dropout_seed")
+
     return {
         "q": q,
         "k": k,
@@ -119,6 +141,10 @@ def validate_and_prepare(
         "query_lengths": q_lengths,
         "key_lengths": k_lengths,
         "segments": segments,
+        "sinks": sinks_np,
+        "sinks_shape": sinks_shape,
+        "dropout_p": float(dropout_p),
+        "dropout_seed": dropout_seed,
     }
 
 
@@ -129,7 +155,14 @@ def forward_pass(
 
     Keys: ``raw`` (scaled scores before softcap), ``z`` (final scores with ``-inf`` at
     excluded keys), ``allowed`` (boolean, same shape as ``z``), ``has_key`` (per row),
-    ``weights``, ``out``, ``lse``.
+    ``weights`` (the softmax, before dropout), ``sink_weight`` (``(..., L)``, the sink's share
+    of each row, zeros without sinks), ``keep`` (the dropout multiplier ``keep / (1 - p)``,
+    or ``None``), ``dropped`` (the weights after dropout), ``out``, ``lse``.
+
+    Sinks: each row gets one more logit, ``sinks[..., h]``, whose value is zero: the softmax
+    runs over ``[z, sink]`` and its last column is dropped, so the weights sum to less than
+    one and ``lse`` includes the sink. Dropout multiplies the weights by the keep mask of
+    :func:`sdpa_array.dropout_keep_mask` over ``1 - p``; ``lse`` is unaffected.
     """
     q, k_rep, v_rep = prep["q"], prep["k_rep"], prep["v_rep"]
     scale = prep["scale"]
@@ -166,6 +199,10 @@ def forward_pass(
     allowed = allowed & (scores != -np.inf)
 
     z = np.where(allowed, scores, -np.inf)
+    if prep["sinks"] is not None:
+        sink_col = np.broadcast_to(prep["sinks"][..., None, None], (*z.shape[:-1], 1))
+        z = np.concatenate([z, sink_col], axis=-1)
+        allowed = np.concatenate([allowed, sink_col != -np.inf], axis=-1)
 
     # Numerically stable softmax over the admissible keys of each row. Rows with no
     # admissible key have max -inf; use 0 there so that no inf - inf is ever formed.
@@ -175,17 +212,33 @@ def forward_pass(
     exps = np.exp(np.where(allowed, z - shift, -np.inf))  # exactly 0 where excluded
     total = np.sum(exps, axis=-1, keepdims=True)  # >= 1 on rows with an admissible key
     safe_total = np.where(has_key, total, 1.0)
-    weights = exps / safe_total
+    weights_all = exps / safe_total
+    weights = weights_all[..., :S]
+    sink_weight = weights_all[..., S] if prep["sinks"] is not None else np.zeros(z.shape[:-1])
 
-    out = np.matmul(weights, v_rep)
+    keep = None
+    dropped = weights
+    if prep["dropout_p"] > 0:
+        from .._kernels.dropout import dropout_keep_mask
+
+        p = prep["dropout_p"]
+        mask = np.asarray(dropout_keep_mask(prep["dropout_seed"], weights.shape, p))
+        keep = mask.astype(np.float64) / (1.0 - p)
+        dropped = weights * keep
+
+    out = np.matmul(dropped, v_rep)
     lse = np.where(has_key, shift + np.log(safe_total), -np.inf)[..., 0]
 
     return {
         "raw": raw,
-        "z": z,
-        "allowed": allowed,
-        "has_key": has_key[..., 0],
+        "z": z[..., :S],
+        "allowed": allowed[..., :S],
+        "has_key": np.any(allowed[..., :S], axis=-1),
         "weights": weights,
+        "weights_all": weights_all,
+        "sink_weight": sink_weight,
+        "keep": keep,
+        "dropped": dropped,
         "out": out,
         "lse": lse,
     }

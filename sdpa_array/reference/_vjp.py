@@ -31,6 +31,9 @@ def scaled_dot_product_attention_vjp(
     query_lengths: Any = None,
     key_lengths: Any = None,
     segment_ids: tuple[Any, Any] | None = None,
+    sinks: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Reference vector-Jacobian product of :func:`scaled_dot_product_attention`.
 
@@ -60,6 +63,8 @@ def scaled_dot_product_attention_vjp(
     grad_bias : numpy.ndarray
         Only if ``bias`` is given: float64, same shape as ``bias`` (summed over the axes
         along which ``bias`` was broadcast).
+    grad_sinks : numpy.ndarray
+        Only if ``sinks`` is given: float64, same shape as ``sinks``.
     grad_scale : numpy.ndarray
         Only if ``scale`` is given as an array: a 0-d float64 array.
 
@@ -76,6 +81,11 @@ def scaled_dot_product_attention_vjp(
     * ``dQ = scale * dRaw K`` and ``dK = scale * dRawᵀ Q``;
     * ``dScale = sum(dRaw * (Q Kᵀ))`` over every batch entry, head, query and key (with
       GQA, ``Q`` against the repeated keys).
+
+    * sinks: the softmax and its Jacobian run over ``S + 1`` columns, the last being the
+      sink, whose ``dP`` is 0 (its value is zero); ``dSink`` is that column of ``dZ``;
+    * dropout: with ``M = keep / (1 - p)``, ``out = (P * M) V``, so ``dV = (P * M)ᵀ dO``
+      and ``dP = (dO Vᵀ) * M``.
 
     Every gradient is then summed back to the shape of its own input (broadcast batch
     axes, GQA head groups, broadcast bias axes).
@@ -113,11 +123,15 @@ def scaled_dot_product_attention_vjp(
         query_lengths,
         key_lengths,
         segment_ids,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
     )
     fwd = forward_pass(prep, is_causal, window, alignment, softcap)
     q, k_rep, v_rep = prep["q"], prep["k_rep"], prep["v_rep"]
-    P = fwd["weights"]  # (..., Hq, L, S)
-    S = P.shape[-1]
+    P = fwd["weights_all"]  # (..., Hq, L, S [+ 1 sink column])
+    S = fwd["weights"].shape[-1]
+    n = P.shape[-1]
 
     d_out = as_float64(grad_output)
     if d_out.shape != fwd["out"].shape:
@@ -126,15 +140,19 @@ def scaled_dot_product_attention_vjp(
         )
 
     # out = P @ V
-    d_v_rep = np.matmul(np.swapaxes(P, -1, -2), d_out)  # (..., Hq, S, Ev)
+    d_v_rep = np.matmul(np.swapaxes(fwd["dropped"], -1, -2), d_out)  # (..., Hq, S, Ev)
     d_P = np.matmul(d_out, np.swapaxes(v_rep, -1, -2))  # (..., Hq, L, S)
+    if fwd["keep"] is not None:
+        d_P = d_P * fwd["keep"]
+    if n > S:  # the sink column: its value is zero, so is its dP
+        d_P = np.concatenate([d_P, np.zeros((*d_P.shape[:-1], n - S))], axis=-1)
 
-    # Softmax Jacobian, one S x S matrix per query row: J[a, b] = p_a (delta_ab - p_b).
-    eye = np.eye(S)
-    J = P[..., :, None] * eye - P[..., :, None] * P[..., None, :]  # (..., Hq, L, S, S)
-    d_Z = np.einsum("...ab,...b->...a", J, d_P)
+    # Softmax Jacobian, one n x n matrix per query row: J[a, b] = p_a (delta_ab - p_b).
+    eye = np.eye(n)
+    J = P[..., :, None] * eye - P[..., :, None] * P[..., None, :]  # (..., Hq, L, n, n)
+    d_Z_all = np.einsum("...ab,...b->...a", J, d_P)
     # Excluded keys have p = 0 so J already vanishes there; make it explicit (and exact).
-    d_Z = np.where(fwd["allowed"], d_Z, 0.0)
+    d_Z = np.where(fwd["allowed"], d_Z_all[..., :S], 0.0)
 
     # Z = softcap(raw) + bias; softcap'(raw) = 1 - tanh²(raw / softcap).
     d_raw = d_Z
@@ -153,6 +171,9 @@ def scaled_dot_product_attention_vjp(
     ]
     if prep["bias"] is not None:
         grads.append(sum_to_shape(d_Z, prep["bias"].shape))
+    if prep["sinks"] is not None:
+        d_sink = np.sum(d_Z_all[..., S], axis=-1)  # (..., Hq): summed over the queries
+        grads.append(sum_to_shape(d_sink, prep["sinks_shape"]))
     if prep["scale_is_array"]:
         # raw = scale * (Q @ Kᵀ): d scale = sum(dRaw * (Q @ Kᵀ)), over every entry.
         qk = np.matmul(q, np.swapaxes(k_rep, -1, -2))

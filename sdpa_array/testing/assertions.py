@@ -15,6 +15,7 @@ from .. import reference
 from .._compat import array_namespace, device
 from .._typing import Array
 from .bounds import (
+    UNIT_ROUNDOFF,
     compute_dtype,
     dtype_name,
     lse_bound,
@@ -122,14 +123,22 @@ def assert_close_to_oracle(
     scale = (1.0 / np.sqrt(E) if E else 1.0) if given is None else float(_host(given))
     S = k64.shape[-2]
     ds = score_error(dtype, q64, k64, scale, bias64, options.get("softcap"))
-    v_max = float(np.max(np.abs(v64))) if v64.size else 0.0
+    # A sink is one more term of each row's softmax (rounded once to the compute dtype);
+    # dropout multiplies kept weights by 1 / (1 - p), so the output's magnitudes grow by it.
+    sinks = options.get("sinks")
+    if sinks is not None:
+        S += 1
+        sink_max = float(np.max(np.abs(_host(sinks)), initial=0.0))
+        ds += UNIT_ROUNDOFF[compute_dtype(dtype)] * sink_max
+    grow = 1.0 / (1.0 - options.get("dropout_p", 0.0))
+    v_max = grow * float(np.max(np.abs(v64))) if v64.size else 0.0
     out_max = float(np.max(np.abs(ref_out))) if ref_out.size else 0.0
     out = parts[0]
     assert_array_like(out, query, shape=ref_out.shape, dtype=query.dtype)
     assert_close(out, ref_out, output_bound(dtype, S=S, ds=ds, v_max=v_max, out_max=out_max))
     if return_weights:
         assert_array_like(parts[1], query, shape=ref_w.shape, dtype=query.dtype)
-        bound = output_bound(dtype, S=S, ds=ds, v_max=1.0, out_max=1.0)
+        bound = output_bound(dtype, S=S, ds=ds, v_max=grow, out_max=grow)
         assert_close(parts[1], ref_w, bound, "weights")
     if return_lse:
         finite = ref_lse[np.isfinite(ref_lse)]
@@ -150,9 +159,10 @@ def assert_vjp_close_to_oracle(
     bias: Array | None = None,
     **options: Any,
 ) -> None:
-    """Check gradients of attention (``(dq, dk, dv[, dbias][, dscale])``) against the oracle.
+    """Check gradients of attention (``(dq, dk, dv[, dbias][, dsinks][, dscale])``) against
+    the oracle.
 
-    ``dscale`` is expected when ``scale`` is given as an array.
+    ``dsinks`` is expected when ``sinks`` is given, ``dscale`` when ``scale`` is an array.
 
     Each gradient must have its input's library, array type, shape, dtype and device, and
     every entry must be within the element-wise bound of
@@ -161,10 +171,14 @@ def assert_vjp_close_to_oracle(
     dtype = dtype_name(query)
     q64, k64, v64, g64 = (_host(a) for a in (query, key, value, grad_output))
     mask_np = None if mask is None else reference.to_numpy(mask)
+    sinks = options.get("sinks")
+    if sinks is not None:
+        options = {**options, "sinks": _host(sinks)}
     expected, bounds = vjp_oracle_and_bounds(
         dtype, q64, k64, v64, g64, mask=mask_np, bias=_host_or_none(bias), **options
     )
-    named = {"dq": query, "dk": key, "dv": value, "dbias": bias, "dscale": options.get("scale")}
+    named = {"dq": query, "dk": key, "dv": value, "dbias": bias, "dsinks": sinks}
+    named["dscale"] = options.get("scale")
     named["dscale"] = named["dscale"] if scale_is_array(named["dscale"]) else None
     inputs = {n: x for n, x in named.items() if x is not None}
     assert len(grads) == len(inputs), f"{len(grads)} gradients for {len(inputs)} inputs"

@@ -167,6 +167,17 @@ def vjp_oracle_and_bounds(
     Rows with no admissible key, and keys no query attends, get a bound of exactly zero, so
     their gradients must be exact zeros.
 
+    Dropout multiplies ``dP`` and ``P`` (for ``dV``) by ``M = keep / (1 - p)``, exactly up to
+    one rounding: ``A`` becomes ``A M`` (so ``W``, ``R`` and ``D`` include it) and ``dV``'s
+    terms use ``P M`` and ``e_P M``; the extra rounding is within the ``2 u`` of ``dZ``.
+
+    Sinks (``P`` then includes the sink's share ``p_sink = exp(sink - lse)`` in its row
+    sums): the sink's gradient is ``-Σ_i p_sink_i D_i`` over every row it reaches. With
+    ``p_sink`` off by ``eps p_sink + u`` (as ``P``), ``|D_i| <= W_i`` and ``D``'s error
+    ``e_D``, its bound is ``Σ_i ((eps p_sink_i + u) W_i + p_sink_i e_D_i)`` plus the rounding
+    of the sum of ``n`` terms (``L`` times the batch entries and heads summed into one sink),
+    ``(n + 3) u Σ_i p_sink_i W_i``, and ``u_o |dSinks|``.
+
     When ``scale`` is an array, the oracle also returns ``dScale = Σ dS ⊙ (Q Kᵀ)``, which an
     implementation forms as ``Σ Q ⊙ dQ / scale`` (or, through autodiff, as ``Σ dS ⊙ raw``
     with ``raw = Q Kᵀ`` rounded: the same products, grouped differently). Its bound is the
@@ -186,6 +197,7 @@ def vjp_oracle_and_bounds(
     )
     scale_array = options.get("scale")
     d_scale = expected.pop() if scale_is_array(scale_array) else None
+    d_sinks = expected.pop() if options.get("sinks") is not None else None
     fwd = prep = reference.intermediates(q, k, v, mask=mask, bias=bias, **options)
     u = UNIT_ROUNDOFF[compute_dtype(dtype)]
     u_o = UNIT_ROUNDOFF[dtype]
@@ -200,6 +212,8 @@ def vjp_oracle_and_bounds(
     eps = 3 * ds + (2 * S + 10) * u + 2 * u * lse_max
     dO = np.abs(d_out)
     A = np.matmul(dO, np.swapaxes(np.abs(prep["v_rep"]), -1, -2))
+    keep = fwd["keep"] if fwd["keep"] is not None else 1.0
+    A = A * keep
     W = np.sum(P * A, axis=-1, keepdims=True)
     R = A + W
     e_P = eps * P + u * admissible
@@ -218,7 +232,7 @@ def vjp_oracle_and_bounds(
     terms = [
         (scale * np.matmul(e_S, K), scale * np.matmul(S_abs, K), S, False),
         (scale * np.matmul(T(e_S, -1, -2), Q), scale * np.matmul(T(S_abs, -1, -2), Q), L, True),
-        (np.matmul(T(e_P, -1, -2), dO), np.matmul(T(P, -1, -2), dO), L, True),
+        (np.matmul(T(e_P * keep, -1, -2), dO), np.matmul(T(P * keep, -1, -2), dO), L, True),
     ]
     if bias is not None:
         terms.append((e_Z, Z_abs, 1, False))
@@ -232,6 +246,15 @@ def vjp_oracle_and_bounds(
         err, mag = reference.sum_to_shape(err, x.shape), reference.sum_to_shape(mag, x.shape)
         bounds.append(err + (n + 3) * u * mag + u_o * np.abs(ref) + underflow * (err > 0))
         mags.append(mag)
+    if d_sinks is not None:
+        shape = np.shape(options["sinks"])
+        p_sink = fwd["sink_weight"][..., None]
+        err = np.sum((eps * p_sink + u) * W + p_sink * e_D, axis=(-2, -1))
+        mag = np.sum(p_sink * W, axis=(-2, -1))
+        n = L * (mag.size // max(int(np.prod(shape)), 1))
+        err, mag = reference.sum_to_shape(err, shape), reference.sum_to_shape(mag, shape)
+        expected.append(d_sinks)
+        bounds.append(err + (n + 3) * u * mag + u_o * np.abs(d_sinks))
     if d_scale is not None:
         u_s = UNIT_ROUNDOFF[dtype_name(scale_array)]
         q_abs = np.abs(q)
