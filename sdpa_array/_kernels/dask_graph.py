@@ -314,7 +314,7 @@ def _graph_applies(p: Problem, x: Inputs) -> bool:
     """Whether the chunk-pair graph computes the call: Dask inputs, and none of the features
     whose chunk pairs it does not split (attention sinks, dropout), which the blocked kernel
     computes instead."""
-    unsplit = getattr(p, "has_sinks", False) or getattr(p, "dropout_p", 0.0)
+    unsplit = p.has_sinks or p.dropout_p > 0
     return is_dask_array(x.query) and not unsplit
 
 
