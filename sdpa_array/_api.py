@@ -239,7 +239,7 @@ def scaled_dot_product_attention(
     return_lse : bool, default False
         Also return the log-sum-exp of the final scores ``(..., Hq, L)`` (in the compute
         dtype: float32 for float16/bfloat16 inputs).
-    implementation : {"auto", "materialized", "blocked", "native"}, default "auto"
+    implementation : {"auto", "materialized", "blocked", "native", "dask"}, default "auto"
         Which implementation runs; all give the same results within rounding.
 
         * ``"materialized"`` forms the full ``(..., L, S)`` score matrix: the simplest path,
@@ -255,11 +255,16 @@ def scaled_dot_product_attention(
           ``jax.nn.dot_product_attention``) where that computes it exactly, and raises
           :class:`~sdpa_array.CannotDelegateError` (a ``ValueError``) naming the
           reason otherwise (e.g. ``softcap``, NumPy arrays).
-        * ``"auto"``: the materialized path when ``return_weights`` is asked; otherwise
-          native when it applies, unless the score matrix would be large (over
-          ``AUTO_BLOCKED_BYTES``, 1 MiB) and the kernel would form it or need a
-          positional mask built for it; otherwise blocked when the score matrix would be
-          large, materialized when not. Giving ``block_q``/``block_k`` selects blocked.
+        * ``"dask"`` builds a Dask graph of (query chunk, key chunk) tasks merged by
+          a tree of :func:`merge_attention_states` (Dask inputs; see the distributed
+          page of the docs).
+        * ``"auto"``: the materialized path when ``return_weights`` is asked; the Dask
+          graph for Dask arrays; otherwise native when it applies, unless the score
+          matrix would be large (over the library's threshold in the dispatch table:
+          1 MiB on NumPy and torch, 8 MiB on JAX, 256 MiB on array-api-strict) and the
+          kernel would form it or need a positional mask built for it; otherwise
+          blocked when the score matrix would be large, materialized when not. Giving
+          ``block_q``/``block_k`` selects blocked.
     block_q, block_k : int, optional
         Query and key block sizes of the blocked implementation. By default they are
         chosen from the shapes and dtype so that one score tile is about 1 MiB (key blocks
@@ -401,11 +406,12 @@ def scaled_dot_product_attention_vjp(
     query_lengths, key_lengths, segment_ids
         As for :func:`scaled_dot_product_attention`; they have no gradient, and padded
         queries and excluded keys get gradients of exactly zero.
-    implementation : {"auto", "materialized", "blocked"}, default "auto"
+    implementation : {"auto", "materialized", "blocked", "dask"}, default "auto"
         ``"materialized"`` forms the full score matrix once; ``"blocked"`` works tile by
         tile in ``O(block_q * block_k)`` memory per batch element, skipping the tiles that
-        causal or window restrictions exclude. ``"auto"`` chooses as the forward does:
-        blocked when block sizes are given or the score matrix would be large.
+        causal or window restrictions exclude; ``"dask"`` builds the matching Dask graph.
+        ``"auto"`` chooses as the forward does: the Dask graph for Dask arrays, blocked
+        when block sizes are given or the score matrix would be large.
     block_q, block_k : int, optional
         Block sizes of the blocked implementation (chosen from the shapes by default).
 
