@@ -1,7 +1,9 @@
 """nox sessions: one test session per backend, lint, docs and benchmarks.
 
-``nox`` alone runs the CPU test sessions, ``lint`` and ``docs``; ``nox -s tests-cupy`` and
-``nox -s tests-cuda`` need a CUDA device, ``nox -s bench`` runs the asv suite.
+``nox`` alone runs the CPU test sessions (without the tests marked ``slow``), ``lint``,
+``docs`` and ``build``; ``nox -s tests-slow`` runs the ``slow`` tests on every CPU backend;
+``nox -s tests-cupy`` and ``nox -s tests-cuda`` need a CUDA device, ``nox -s bench`` runs
+the asv suite.
 """
 
 from __future__ import annotations
@@ -40,9 +42,21 @@ TEST_SESSIONS = {
 #: ``sdpa_array.lab.figures`` matplotlib, which the ``plot`` extra installs.
 DOCTEST_SESSION = "tests-numpy"
 
+#: The tests marked ``slow`` (pyproject.toml; ``@pytest.mark.slow_on(library)`` marks a
+#: test's cases on one library's backends): the sessions above deselect them, this one runs
+#: just them, on every CPU backend at once (backends, extras, extra pip requirements).
+SLOW_SESSION = (
+    "numpy,numpy:readonly,torch,strict,jax,dask",
+    "test,plot,strict,jax,dask",
+    [TORCH],
+)
 
-def _define_test_session(name: str, backends: str, extras: str, reqs: list[str], default: bool):
+
+def _define_test_session(
+    name: str, backends: str, extras: str, reqs: list[str], default: bool, marks: str | None
+):
     targets = ["--doctest-modules", "sdpa_array", "tests"] if name == DOCTEST_SESSION else []
+    select = ["-m", marks] if marks else []
 
     def run_tests(session: nox.Session) -> None:
         if reqs:
@@ -51,19 +65,23 @@ def _define_test_session(name: str, backends: str, extras: str, reqs: list[str],
         session.run(
             "pytest",
             "--durations=10",
+            *select,
             *targets,
             *session.posargs,
             env={"SDPA_BACKENDS": backends, "HYPOTHESIS_PROFILE": "ci"},
         )
 
-    run_tests.__doc__ = f"Run the test suite with SDPA_BACKENDS={backends}" + (
+    which = f"the tests marked {marks!r}" if marks else "every test"
+    run_tests.__doc__ = f"Run {which} with SDPA_BACKENDS={backends}" + (
         ", and the doctests." if targets else "."
     )
     nox.session(name=name, default=default)(run_tests)
 
 
+# The default sessions leave the slow tests to tests-slow; the GPU sessions run every test.
 for _name, _spec in TEST_SESSIONS.items():
-    _define_test_session(_name, *_spec)
+    _define_test_session(_name, *_spec, marks="not slow" if _spec[-1] else None)
+_define_test_session("tests-slow", *SLOW_SESSION, default=False, marks="slow")
 
 
 @nox.session

@@ -11,6 +11,13 @@ holding torch tensors, ``native_backend`` only those whose library has a native 
 on; each ``<name>_dtype`` fixture is the matching ``(backend, dtype name)`` pairs. A selected
 backend that a fixture leaves out generates no test; a test that no selected backend applies
 to is deselected, not skipped.
+
+Slow tests carry the ``slow`` mark; the default nox sessions deselect them and
+``nox -s tests-slow`` runs them on every CPU backend. ``@pytest.mark.slow_on(*libraries)``,
+on a test or on one of its parameters, marks ``slow`` only its cases on those libraries'
+backends: mostly ``SHAPE_COMPILING_LIBRARIES`` (JAX), where every new shape is compiled,
+for cases whose shapes are their own (the others share ``Q``, ``KV``... of
+``tests/helpers.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +63,12 @@ NATIVE_LSE_CPU_ONLY = frozenset({"torch"})
 #: Libraries whose own autodiff the library supports (torch autograd, JAX transforms).
 AUTOGRAD_LIBRARIES = frozenset({"torch", "jax"})
 
+#: Libraries that compile every operation anew for each new combination of shapes and
+#: dtypes (JAX, eagerly: tens of milliseconds each). Tests share shapes on them
+#: (``Q``, ``KV``... of ``tests/helpers.py``) and draw random sizes from a few; random
+#: sizes of any kind run on them in the ``slow`` tests.
+SHAPE_COMPILING_LIBRARIES = frozenset({"jax"})
+
 
 def _native_dtype(b: Backend, dtype: str) -> bool:
     return b.library in NATIVE_LIBRARIES and dtype not in NATIVE_REFUSED_DTYPES.get(b.library, {})
@@ -87,11 +100,16 @@ BACKEND_FIXTURES: dict[str, BackendFixture] = {
     "torch_backend": BackendFixture(lambda b: b.library == "torch"),
     "jax_backend": BackendFixture(lambda b: b.library == "jax"),
     "autograd_backend": BackendFixture(lambda b: b.library in AUTOGRAD_LIBRARIES),
+    "dask_backend": BackendFixture(lambda b: b.library == "dask"),
+    # eager arrays, whose values can be read (every library but Dask)
+    "eager_backend": BackendFixture(lambda b: b.library != "dask"),
     # arrays torch shares memory with (NumPy and torch), for comparisons with torch
     "torch_interop_backend": BackendFixture(lambda b: b.library in ("numpy", "torch")),
     # backends whose arrays are not NumPy's, for mixing libraries
     "non_numpy_backend": BackendFixture(lambda b: b.library != "numpy"),
     "float64_backend": BackendFixture(lambda b: "float64" in b.dtypes),
+    # libraries that compile every new shape
+    "shape_compiling_backend": BackendFixture(lambda b: b.library in SHAPE_COMPILING_LIBRARIES),
     # implementation="native": the dtype variant holds the dtypes that must delegate
     "native_backend": BackendFixture(lambda b: b.library in NATIVE_LIBRARIES, _native_dtype),
     "non_native_backend": BackendFixture(lambda b: b.library not in NATIVE_LIBRARIES),
@@ -150,7 +168,35 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             _parametrize(metafunc, name, backends, [b.id for b in backends])
 
 
+def _backend_of(item: pytest.Item) -> Backend | None:
+    """The backend an item runs on (that of its backend fixture), if any."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for name in BACKEND_FIXTURES:
+        value = params.get(name, params.get(f"{name}_dtype"))
+        if isinstance(value, tuple):
+            value = value[0]
+        if isinstance(value, Backend):
+            return value
+    return None
+
+
+def _mark_slow_on(item: pytest.Item) -> None:
+    """``@pytest.mark.slow_on(*libraries)`` (on a test or on one of its parameters): its
+    cases on the backends of these libraries get the ``slow`` mark."""
+    libraries = {library for mark in item.iter_markers("slow_on") for library in mark.args}
+    unknown = libraries - {b.library for b in BACKENDS}
+    if unknown:
+        raise pytest.UsageError(f"{item.nodeid}: slow_on names no library: {sorted(unknown)}")
+    backend = _backend_of(item)
+    if backend is not None and backend.library in libraries:
+        item.add_marker(pytest.mark.slow)
+
+
+# First, so that ``-m "not slow"`` (the mark plugin's own hook) sees the marks added here.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        _mark_slow_on(item)
     unused = [item for item in items if item.get_closest_marker(NOT_GENERATED)]
     if unused:
         config.hook.pytest_deselected(items=unused)

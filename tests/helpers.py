@@ -31,7 +31,11 @@ from sdpa_array.testing.bounds import (
 )
 
 __all__ = [
+    "KV",
+    "KV_EV",
+    "Q_GQA",
     "UNIT_ROUNDOFF",
+    "Q",
     "assert_array_like",
     "assert_close",
     "assert_within",
@@ -45,6 +49,18 @@ __all__ = [
     "spy_native_kernels",
     "vjp_oracle_and_bounds",
 ]
+
+#: Shapes that most fixed cases of the test files share, so that libraries which compile
+#: every operation anew for each new shape (``SHAPE_COMPILING_LIBRARIES`` of
+#: ``tests/conftest.py``: JAX) compile once for all of them. A case uses other shapes only
+#: where the shapes are what it tests (no heads axis, broadcast batch axes, ``L > S``...).
+#: ``(batch, heads, L, E)`` of the query and ``(batch, heads, S, E)`` of key and value, with
+#: ``L < S``; ``Q_GQA`` has twice the heads of ``KV``; ``KV_EV`` a value feature size
+#: ``Ev != E``.
+Q = (2, 2, 6, 4)
+KV = (2, 2, 7, 4)
+Q_GQA = (2, 4, 6, 4)
+KV_EV = (2, 2, 7, 3)
 
 
 def rounded(backend: Backend, a: np.ndarray, dtype: str) -> tuple[Any, np.ndarray]:

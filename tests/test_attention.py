@@ -10,7 +10,15 @@ import pytest
 
 import sdpa_array
 from sdpa_array import CannotDelegateError, reference
-from tests.helpers import assert_array_like, check_against_oracle, spy_native_kernels
+from tests.helpers import (
+    KV,
+    KV_EV,
+    Q_GQA,
+    Q,
+    assert_array_like,
+    check_against_oracle,
+    spy_native_kernels,
+)
 
 #: The implementations every backend runs; ``"native"`` runs only where it delegates (below).
 IMPLEMENTATIONS = ["auto", "materialized", "blocked"]
@@ -28,30 +36,24 @@ def randn(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return rng.standard_normal(shape)
 
 
-# Each case: (id, shapes of q, k, v, options, mask shape or None, bias shape or None, native)
+# Each case: (id, shapes of q, k, v, options, mask shape or None, bias shape or None, native).
+# Most share the shapes Q, KV (L < S) of tests/helpers.py, so that JAX compiles them once;
+# L == S is KV for all three, L > S swaps Q and KV. Other shapes only where the shapes are
+# the point (no heads axis, broadcast batch axes).
 CASES = [
-    ("plain", (2, 3, 5, 8), (2, 3, 5, 8), (2, 3, 5, 8), {}, None, None, DELEGATES),
+    ("plain", Q, KV, KV, {}, None, None, DELEGATES),
     ("no-heads-2d", (6, 4), (9, 4), (9, 3), {}, None, None, NEEDS_EV_EQ_E),
-    ("L!=S,Ev!=E", (1, 2, 4, 8), (1, 2, 11, 8), (1, 2, 11, 5), {}, None, None, NEEDS_EV_EQ_E),
+    ("L!=S,Ev!=E", Q, KV, KV_EV, {}, None, None, NEEDS_EV_EQ_E),
     ("broadcast-batch", (3, 1, 5, 4), (1, 2, 6, 4), (2, 6, 7), {}, None, None, NEEDS_EV_EQ_E),
-    ("mask", (2, 2, 6, 4), (2, 2, 7, 4), (2, 2, 7, 4), {}, (2, 1, 6, 7), None, DELEGATES),
-    ("bias", (2, 2, 6, 4), (2, 2, 7, 4), (2, 2, 7, 4), {}, None, (2, 6, 7), DELEGATES),
-    ("mask+bias", (2, 2, 6, 4), (2, 2, 7, 4), (2, 2, 7, 4), {}, (6, 7), (2, 2, 1, 7), DELEGATES),
-    (
-        "causal",
-        (1, 2, 7, 4),
-        (1, 2, 7, 4),
-        (1, 2, 7, 4),
-        {"is_causal": True},
-        None,
-        None,
-        DELEGATES,
-    ),
+    ("mask", Q, KV, KV, {}, (2, 1, 6, 7), None, DELEGATES),
+    ("bias", Q, KV, KV, {}, None, (2, 6, 7), DELEGATES),
+    ("mask+bias", Q, KV, KV, {}, (6, 7), (2, 2, 1, 7), DELEGATES),
+    ("causal", KV, KV, KV, {"is_causal": True}, None, None, DELEGATES),
     (
         "causal-top-left-L<S",
-        (1, 2, 4, 4),
-        (1, 2, 9, 4),
-        (1, 2, 9, 4),
+        Q,
+        KV,
+        KV,
         {"is_causal": True, "alignment": "top_left"},
         None,
         None,
@@ -59,9 +61,9 @@ CASES = [
     ),
     (
         "causal-bottom-right-L<S",
-        (1, 2, 4, 4),
-        (1, 2, 9, 4),
-        (1, 2, 9, 4),
+        Q,
+        KV,
+        KV,
         {"is_causal": True, "alignment": "bottom_right"},
         None,
         None,
@@ -69,62 +71,44 @@ CASES = [
     ),
     (
         "causal-bottom-right-L>S",
-        (1, 1, 9, 4),
-        (1, 1, 4, 4),
-        (1, 1, 4, 4),
+        KV,
+        Q,
+        Q,
         {"is_causal": True, "alignment": "bottom_right"},
         None,
         None,
         DELEGATES,
     ),
-    ("window", (1, 2, 9, 4), (1, 2, 9, 4), (1, 2, 9, 4), {"window": (2, 1)}, None, None, DELEGATES),
+    ("window", KV, KV, KV, {"window": (2, 1)}, None, None, DELEGATES),
     (
         "window-left-only+causal",
-        (1, 1, 9, 4),
-        (1, 1, 12, 4),
-        (1, 1, 12, 4),
+        Q,
+        KV,
+        KV,
         {"window": (3, None), "is_causal": True, "alignment": "bottom_right"},
         None,
         None,
         DELEGATES,
     ),
-    (
-        "window-right-only",
-        (1, 1, 9, 4),
-        (1, 1, 6, 4),
-        (1, 1, 6, 4),
-        {"window": (None, 0)},
-        None,
-        None,
-        DELEGATES,
-    ),
-    ("softcap", (1, 2, 5, 8), (1, 2, 6, 8), (1, 2, 6, 8), {"softcap": 2.5}, None, None, SOFTCAP),
-    ("scale", (1, 2, 5, 8), (1, 2, 6, 8), (1, 2, 6, 8), {"scale": 0.7}, None, None, DELEGATES),
-    (
-        "gqa",
-        (2, 6, 5, 4),
-        (2, 2, 7, 4),
-        (2, 2, 7, 3),
-        {"enable_gqa": True},
-        None,
-        None,
-        NEEDS_EV_EQ_E,
-    ),
+    ("window-right-only", KV, Q, Q, {"window": (None, 0)}, None, None, DELEGATES),
+    ("softcap", Q, KV, KV, {"softcap": 2.5}, None, None, SOFTCAP),
+    ("scale", Q, KV, KV, {"scale": 0.7}, None, None, DELEGATES),
+    ("gqa", Q_GQA, KV, KV_EV, {"enable_gqa": True}, None, None, NEEDS_EV_EQ_E),
     (
         "gqa+mask+bias+causal+softcap",
-        (1, 4, 6, 4),
-        (1, 2, 8, 4),
-        (1, 2, 8, 4),
+        Q_GQA,
+        KV,
+        KV,
         {"enable_gqa": True, "is_causal": True, "alignment": "bottom_right", "softcap": 5.0},
-        (4, 6, 8),
-        (1, 4, 1, 8),
+        (4, 6, 7),
+        (1, 4, 1, 7),
         SOFTCAP,
     ),
     (
         "everything",
-        (2, 4, 6, 8),
-        (2, 1, 10, 8),
-        (2, 1, 10, 3),
+        Q_GQA,
+        (2, 1, 7, 4),
+        (2, 1, 7, 3),
         {
             "enable_gqa": True,
             "window": (4, 2),
@@ -133,8 +117,8 @@ CASES = [
             "scale": 0.5,
             "alignment": "bottom_right",
         },
-        (2, 1, 6, 10),
-        (4, 6, 10),
+        (2, 1, 6, 7),
+        (4, 6, 7),
         SOFTCAP,
     ),
 ]

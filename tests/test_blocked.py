@@ -19,6 +19,7 @@ from sdpa_array._compat import array_namespace
 from sdpa_array._kernels import blocked, parallel, tiling
 from sdpa_array._kernels.restrictions import Band, Restrictions, TileKind
 from sdpa_array._problem import validate
+from tests.conftest import SHAPE_COMPILING_LIBRARIES
 from tests.helpers import check_against_oracle
 
 
@@ -107,6 +108,10 @@ CASES = [
 ]
 
 
+# Slow on JAX: the geometry is the point, so every case has its own shapes and tiles, each
+# compiled anew (seconds a case). JAX's blocked path with several tiles a row still runs by
+# default below and in tests/test_vjp.py and tests/test_autograd.py.
+@pytest.mark.slow_on(*SHAPE_COMPILING_LIBRARIES)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize(
     ("q_shape", "k_shape", "v_shape", "options", "mask_shape", "bias_shape", "blocks"),
@@ -134,7 +139,11 @@ def test_blocked_matches_oracle(
     )
 
 
-@pytest.mark.parametrize(("block_q", "block_k"), [(2, 3), (4, 4)])
+@pytest.mark.parametrize(
+    ("block_q", "block_k"),
+    # JAX compiles each tile geometry anew: there one of the two runs by default.
+    [pytest.param(2, 3, marks=pytest.mark.slow_on(*SHAPE_COMPILING_LIBRARIES)), (4, 4)],
+)
 def test_fully_masked_rows_and_blocks(backend_dtype, monkeypatch, block_q, block_k):
     """Rows excluded by mask, by a -inf bias, and whole key blocks excluded for a row."""
     backend, dtype = backend_dtype

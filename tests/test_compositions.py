@@ -71,9 +71,17 @@ IMPLEMENTATIONS = [
 ]
 
 
-def _params(implementations=IMPLEMENTATIONS):
+def _params(implementations=IMPLEMENTATIONS, slow_implementations=()):
+    """Every (case, implementation) pair, ``"native"`` only with the cases it computes;
+    those of ``slow_implementations`` (ids) marked ``slow``."""
     return [
-        pytest.param(case, implementation, blocks, id=f"{case[0]}-{impl_id}")
+        pytest.param(
+            case,
+            implementation,
+            blocks,
+            id=f"{case[0]}-{impl_id}",
+            marks=[pytest.mark.slow] if impl_id in slow_implementations else [],
+        )
         for case in CASES
         for impl_id, implementation, blocks in implementations
         if implementation != "native" or case[0] in NATIVE_CASES
@@ -220,8 +228,12 @@ def _jax_case(backend, case):
 
 @pytest.mark.parametrize(
     ("case", "implementation", "blocks"),
-    # jax.nn.dot_product_attention computes in float32, so native takes no float64 call
-    _params([i for i in IMPLEMENTATIONS if i[1] != "native"]),
+    # jax.nn.dot_product_attention computes in float32, so native takes no float64 call.
+    # Several tiles a row ("blocked-2x3") are slow here: a graph per tile to compile under
+    # jit, and the eager vmap compiles every tile's operations (about 10 s a case); the
+    # blocked path's custom_vjp with several tiles a row runs by default under jax.jit and
+    # eagerly in tests/test_autograd.py::test_jax_grad, in float32.
+    _params([i for i in IMPLEMENTATIONS if i[1] != "native"], slow_implementations={"blocked-2x3"}),
 )
 def test_jax_grad_under_jit_and_vmap(jax_backend, case, implementation, blocks):
     import jax
@@ -252,7 +264,12 @@ def test_jax_grad_under_jit_and_vmap(jax_backend, case, implementation, blocks):
     assert_within(mapped[1], expected[0], bounds[0], "vmap dq")
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in CASES])
+@pytest.mark.parametrize(
+    "case",
+    # Each case compiles jax.hessian of several tiles a row under jit three times (about
+    # 10 s): the first runs by default, the others are slow.
+    [pytest.param(c, id=c[0], marks=[pytest.mark.slow] if i else []) for i, c in enumerate(CASES)],
+)
 def test_jax_forward_mode(jax_backend, case):
     """``jax.jacfwd`` and ``jax.hessian`` (under ``jit``) through ``"auto"`` with block
     sizes given (so the blocked path is chosen) and through ``"blocked"`` agree with the

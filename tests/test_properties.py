@@ -2,29 +2,69 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
 from sdpa_array import CannotDelegateError, reference
-from tests.conftest import NATIVE_LIBRARIES
+from tests.conftest import NATIVE_LIBRARIES, SHAPE_COMPILING_LIBRARIES
 from tests.helpers import UNIT_ROUNDOFF, check_against_oracle, compute_dtype
 from tests.test_attention import IMPLEMENTATIONS
 
 side = st.one_of(st.none(), st.integers(0, 6))
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """Where the random calls draw each size from."""
+
+    outer: st.SearchStrategy[tuple[int, ...]]
+    heads_kv: st.SearchStrategy[int]
+    groups: st.SearchStrategy[int]
+    lengths: st.SearchStrategy[tuple[int, int]]
+    features: st.SearchStrategy[tuple[int, int]]
+
+
+#: Any small size: the default.
+ANY_SIZES = Sizes(
+    outer=st.lists(st.integers(1, 2), max_size=2).map(tuple),
+    heads_kv=st.integers(1, 3),
+    groups=st.integers(1, 3),
+    lengths=st.tuples(st.integers(0, 9), st.integers(0, 9)),
+    features=st.tuples(st.integers(1, 8), st.integers(1, 5)),
+)
+
+#: A few sizes of each kind, for libraries that compile every operation anew for each new
+#: shape (``SHAPE_COMPILING_LIBRARIES``): the calls share shapes, and so compilations, with
+#: each other and with the fixed cases of the other test files (``Q``, ``KV`` of
+#: ``tests/helpers.py``). Every kind of call still occurs: no heads axis, broadcast batch
+#: axes, GQA, ``L < S``, ``L > S``, ``L == S``, empty lengths, ``Ev != E``.
+FEW_SIZES = Sizes(
+    outer=st.sampled_from([(), (2,)]),
+    heads_kv=st.sampled_from([1, 2]),
+    groups=st.just(2),
+    lengths=st.sampled_from([(6, 7), (7, 6), (7, 7), (0, 7), (6, 0)]),
+    features=st.sampled_from([(4, 4), (4, 3)]),
+)
+
+
 @st.composite
 def attention_calls(
-    draw: st.DrawFn, dtypes: tuple[str, ...], implementations: tuple[str, ...]
+    draw: st.DrawFn,
+    dtypes: tuple[str, ...],
+    implementations: tuple[str, ...],
+    sizes: Sizes = ANY_SIZES,
 ) -> dict:
     gqa = draw(st.booleans())
-    outer = tuple(draw(st.lists(st.integers(1, 2), max_size=2)))
-    heads_kv = draw(st.integers(1, 3))
-    groups = draw(st.integers(1, 3)) if gqa else 1
+    outer = draw(sizes.outer)
+    heads_kv = draw(sizes.heads_kv)
+    groups = draw(sizes.groups) if gqa else 1
     with_heads = gqa or draw(st.booleans())
-    L, S = draw(st.integers(0, 9)), draw(st.integers(0, 9))
-    E, Ev = draw(st.integers(1, 8)), draw(st.integers(1, 5))
+    L, S = draw(sizes.lengths)
+    E, Ev = draw(sizes.features)
     heads_q = heads_kv * groups
     q_batch = (*outer, heads_q) if with_heads else outer
     kv_batch = (*outer, heads_kv) if with_heads else outer
@@ -63,12 +103,11 @@ def attention_calls(
     return call
 
 
-@given(data=st.data())
-def test_random_calls_match_oracle(backend, data):
+def _check_random_call(backend, data, sizes: Sizes) -> None:
     # "native" where the library has a native kernel (elsewhere it always refuses:
     # tests/test_native.py checks that)
     native = ("native",) if backend.library in NATIVE_LIBRARIES else ()
-    call = data.draw(attention_calls(backend.dtypes, (*IMPLEMENTATIONS, *native)))
+    call = data.draw(attention_calls(backend.dtypes, (*IMPLEMENTATIONS, *native), sizes))
     dtype = call.pop("dtype")
     q, k, v = call.pop("q"), call.pop("k"), call.pop("v")
     try:
@@ -91,3 +130,17 @@ def test_random_calls_match_oracle(backend, data):
     S = w.shape[-1]
     tol = S * UNIT_ROUNDOFF[dtype] + (2 * S + 6) * UNIT_ROUNDOFF[compute_dtype(dtype)]
     np.testing.assert_allclose(w[~empty].sum(axis=-1), 1.0, atol=tol)
+
+
+@given(data=st.data())
+def test_random_calls_match_oracle(backend, data):
+    """Random calls; on libraries that compile per shape, with sizes from a few."""
+    few = backend.library in SHAPE_COMPILING_LIBRARIES
+    _check_random_call(backend, data, FEW_SIZES if few else ANY_SIZES)
+
+
+@pytest.mark.slow
+@given(data=st.data())
+def test_random_sizes_match_oracle(shape_compiling_backend, data):
+    """Random calls of any small size on the libraries that compile every new shape."""
+    _check_random_call(shape_compiling_backend, data, ANY_SIZES)

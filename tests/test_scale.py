@@ -20,6 +20,9 @@ import pytest
 import sdpa_array
 from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
 
+#: JAX compiles every new shape: on JAX these cases run in `nox -s tests-slow` (CI runs it).
+pytestmark = pytest.mark.slow_on("jax")
+
 # The shapes of tests/test_vjp.py's common cases, so that JAX compiles them once.
 Q, KV = (2, 2, 6, 4), (2, 2, 7, 4)
 SCALE = 0.3

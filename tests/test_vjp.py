@@ -26,7 +26,12 @@ from sdpa_array._kernels import vjp_blocked
 from sdpa_array._kernels.restrictions import Restrictions
 from sdpa_array._kernels.tiling import GRID_RESTRICTED, TILE_BYTES, plan_backward
 from sdpa_array._problem import validate
+from tests.conftest import SHAPE_COMPILING_LIBRARIES
 from tests.helpers import (
+    KV,
+    KV_EV,
+    Q_GQA,
+    Q,
     assert_array_like,
     assert_within,
     check_vjp_against_oracle,
@@ -44,12 +49,12 @@ IMPLEMENTATIONS = [
 ]
 
 # Each case: (id, shapes of q, k, v, options, mask shape or None, bias shape or None). Most
-# share one set of shapes, so that libraries that compile per shape (JAX) compile once.
-Q, KV = (2, 2, 6, 4), (2, 2, 7, 4)
+# share the shapes of tests/helpers.py (those of tests/test_attention.py's cases too), so
+# that libraries that compile per shape (JAX) compile once.
 CASES = [
     ("plain", Q, KV, KV, {}, None, None),
     ("no-heads-2d", (6, 4), (9, 4), (9, 3), {}, None, None),
-    ("L!=S,Ev!=E", (1, 2, 4, 8), (1, 2, 11, 8), (1, 2, 11, 5), {}, None, None),
+    ("L!=S,Ev!=E", Q, KV, KV_EV, {}, None, None),
     ("broadcast-batch", (3, 1, 5, 4), (1, 2, 6, 4), (2, 6, 7), {}, None, None),
     ("mask+scale", Q, KV, KV, {"scale": 0.7}, (2, 1, 6, 7), None),
     ("bias-per-head", Q, KV, KV, {}, None, (2, 6, 7)),
@@ -59,12 +64,12 @@ CASES = [
     ("causal-top-left-L<S", Q, KV, KV, {"is_causal": True}, None, None),
     (
         "causal-bottom-right-L>S",
-        (1, 1, 9, 4),
-        (1, 1, 4, 4),
-        (1, 1, 4, 3),
+        KV,
+        Q,
+        Q,
         {"is_causal": True, "alignment": "bottom_right"},
         None,
-        (9, 4),
+        (7, 6),
     ),
     ("window", Q, KV, KV, {"window": (2, 1)}, None, None),
     (
@@ -77,12 +82,12 @@ CASES = [
         None,
     ),
     ("softcap", Q, KV, KV, {"softcap": 2.5}, None, (2, 6, 7)),
-    ("gqa", (2, 6, 5, 4), (2, 2, 7, 4), (2, 2, 7, 3), {"enable_gqa": True}, None, (6, 1, 7)),
+    ("gqa", Q_GQA, KV, KV_EV, {"enable_gqa": True}, None, (4, 1, 7)),
     (
         "everything",
-        (2, 4, 6, 8),
-        (2, 1, 10, 8),
-        (2, 1, 10, 3),
+        Q_GQA,
+        (2, 1, 7, 4),
+        (2, 1, 7, 3),
         {
             "enable_gqa": True,
             "window": (4, 2),
@@ -91,14 +96,33 @@ CASES = [
             "scale": 0.5,
             "alignment": "bottom_right",
         },
-        (2, 1, 6, 10),
-        (4, 6, 10),
+        (2, 1, 6, 7),
+        (4, 6, 7),
     ),
 ]
 
 
 #: Cases whose batch axes broadcast or group in different ways, for the batch-split test.
 SPLIT_CASES = ("broadcast-batch", "mask+bias", "bias-broadcast-L", "gqa", "everything")
+
+
+def _tiled_cases(ids=None):
+    """The cases (those of ``ids``) for the tests with several tiles a row or a split batch:
+    those with shapes of their own (the shapes are what they test) are slow on libraries that
+    compile every new shape, where the tiles make a few hundred operations to compile
+    (seconds a case). There the shared-shape cases run by default, and every case runs with
+    whole rows in one tile (test_vjp_matches_oracle)."""
+    return [
+        pytest.param(
+            *c,
+            id=c[0],
+            marks=[]
+            if {c[1], c[2], c[3]} <= {Q, KV, Q_GQA, KV_EV}
+            else [pytest.mark.slow_on(*SHAPE_COMPILING_LIBRARIES)],
+        )
+        for c in CASES
+        if ids is None or c[0] in ids
+    ]
 
 
 def _draw(case_id: str, q_shape, k_shape, v_shape, mask_shape, bias_shape, options):
@@ -164,7 +188,7 @@ def test_vjp_matches_oracle(
     )
 
 
-@pytest.mark.parametrize(CASE_FIELDS, [pytest.param(*c, id=c[0]) for c in CASES])
+@pytest.mark.parametrize(CASE_FIELDS, _tiled_cases())
 def test_multi_tile_vjp_matches_oracle(
     backend, case_id, q_shape, k_shape, v_shape, options, mask_shape, bias_shape
 ):
@@ -186,10 +210,7 @@ def test_multi_tile_vjp_matches_oracle(
     )
 
 
-@pytest.mark.parametrize(
-    ("case_id", "q_shape", "k_shape", "v_shape", "options", "mask_shape", "bias_shape"),
-    [pytest.param(*c, id=c[0]) for c in CASES if c[0] in SPLIT_CASES],
-)
+@pytest.mark.parametrize(CASE_FIELDS, _tiled_cases(SPLIT_CASES))
 def test_blocked_vjp_with_the_batch_split_matches_oracle(
     backend, monkeypatch, case_id, q_shape, k_shape, v_shape, options, mask_shape, bias_shape
 ):
@@ -424,6 +445,10 @@ def _finite_differences(backend, arrays, d_out, mask, options):
     return [diff[bounds[i] : bounds[i + 1]].reshape(a.shape) for i, a in enumerate(arrays)]
 
 
+# Slow on JAX: each case stacks its own number of perturbations, a new shape to compile.
+# There the oracle comparisons above check the same gradients; the differences check the
+# oracle-independent maths, the same code on every backend.
+@pytest.mark.slow_on(*SHAPE_COMPILING_LIBRARIES)
 @pytest.mark.parametrize(
     ("case_id", "q_shape", "k_shape", "v_shape", "options", "mask_shape", "bias_shape"),
     [pytest.param(*c, id=c[0]) for c in FD_CASES],
