@@ -58,8 +58,9 @@ from tests.helpers import (
     score_error,
 )
 
-#: JAX compiles every new shape: on JAX these cases run in `nox -s tests-slow` (CI runs it).
-pytestmark = pytest.mark.slow_on("jax")
+#: JAX compiles every new shape and Dask builds a graph per call: on them these cases run in
+#: `nox -s tests-slow` (CI runs it).
+pytestmark = pytest.mark.slow_on("jax", "dask")
 
 # Shared shapes, so that every configuration reuses JAX's compiled operations.
 B, HQ, L, E, EV = 3, 4, 2, 8, 6

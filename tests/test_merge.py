@@ -70,8 +70,9 @@ from tests.helpers import (
     vjp_oracle_and_bounds,
 )
 
-#: JAX compiles every new shape: on JAX these cases run in `nox -s tests-slow` (CI runs it).
-pytestmark = pytest.mark.slow_on("jax")
+#: JAX compiles every new shape and Dask builds a graph per call: on them these cases run in
+#: `nox -s tests-slow` (CI runs it).
+pytestmark = pytest.mark.slow_on("jax", "dask")
 
 E, EV = 4, 3
 BATCH = (2, 3)

@@ -25,8 +25,9 @@ from sdpa_array._kernels.tiling import plan_blocks
 from sdpa_array._problem import Inputs, validate
 from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
 
-#: JAX compiles every new shape: on JAX these cases run in `nox -s tests-slow` (CI runs it).
-pytestmark = pytest.mark.slow_on("jax")
+#: JAX compiles every new shape and Dask builds a graph per call: on them these cases run in
+#: `nox -s tests-slow` (CI runs it).
+pytestmark = pytest.mark.slow_on("jax", "dask")
 
 # One set of shapes for most cases, so that JAX compiles once per implementation.
 B, H, L, S, E = 3, 2, 6, 7, 4

@@ -18,8 +18,9 @@ import sdpa_array
 from sdpa_array import reference
 from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
 
-#: JAX compiles every new shape: on JAX these cases run in `nox -s tests-slow` (CI runs it).
-pytestmark = pytest.mark.slow_on("jax")
+#: JAX compiles every new shape and Dask builds a graph per call: on them these cases run in
+#: `nox -s tests-slow` (CI runs it).
+pytestmark = pytest.mark.slow_on("jax", "dask")
 
 Q, KV = (2, 4, 6, 4), (2, 2, 7, 4)
 
