@@ -72,6 +72,27 @@ def test_32_bit_integers_give_the_same_bits(backend, monkeypatch):
     np.testing.assert_array_equal(reference.to_numpy(got), expected)
 
 
+def test_numpy_int32_path_gives_the_portable_bits(monkeypatch):
+    """NumPy's chunked int32 hash (wrapping products, masked in place) is the portable one."""
+    import array_api_compat.numpy as xp
+
+    from sdpa_array._kernels import dropout
+
+    keys = dropout.key_grid(xp, SEED, (2, 3), None)[..., None, None]
+    rows, cols = slice(5, 300), slice(17, 1100)  # several chunks, a ragged last one
+    weights = np.random.default_rng(0).random((2, 3, 295, 1083))
+    fast_mask = dropout.keep_tile(xp, keys, rows, cols, dropout.threshold(P), None)
+    drop = dropout.Dropout(P, keys)
+    fast = [drop.tile(xp, weights.astype(t), rows, cols, None, scaled=True) for t in "fd"]
+    monkeypatch.setattr(dropout, "_is_numpy", lambda a: False)
+    slow_mask = dropout.keep_tile(xp, keys, rows, cols, dropout.threshold(P), None)
+    np.testing.assert_array_equal(fast_mask, slow_mask)
+    for t, got in zip("fd", fast, strict=True):
+        expected = drop.tile(xp, weights.astype(t), rows, cols, None, scaled=True)
+        assert got.dtype == expected.dtype
+        np.testing.assert_array_equal(got, expected)
+
+
 def test_a_smaller_grid_is_a_slice_of_a_larger_one():
     big = dropout_keep_mask(5, (4, 3, 20, 30), 0.2)
     small = dropout_keep_mask(5, (2, 2, 7, 11), 0.2)

@@ -23,15 +23,22 @@ ones (JAX without x64), where products are formed from 15-bit limbs (:func:`_mul
 * the weight is kept iff ``x >= floor(dropout_p * 2**31)``, so it is kept with probability
   ``1 - floor(dropout_p * 2**31) / 2**31``; a kept weight is multiplied by
   ``1 / (1 - dropout_p)``.
+
+On NumPy the per-weight half runs in ``int32`` (NumPy's products wrap modulo ``2**32``, whose
+low 31 bits are the products modulo ``2**31``), and the forward kernels' tiles are masked in
+place chunk by chunk (:func:`_numpy_keep_chunks`): the same bits at half the bytes.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
+
+import numpy as np
 
 from .._typing import Array
 from . import inplace
@@ -134,19 +141,62 @@ def keep_tile(
     The per-weight integers are formed :data:`CHUNK` at a time (whole rows), so that they stay
     in cache: for a 256 x 1024 tile in NumPy this is 4x faster than one pass.
     """
+    if _is_numpy(keys):
+        n, m = rows.stop - rows.start, cols.stop - cols.start
+        out = np.empty((*keys.shape[:-2], n, m), dtype=bool)
+        for a, b, keep in _numpy_keep_chunks(keys, rows, cols, limit):
+            out[..., a:b, :] = keep
+        return out
     wide = _wide(xp)
     dtype = keys.dtype
     j = xp.reshape(xp.arange(cols.start, cols.stop, dtype=dtype, device=device), (1, -1))
     c = _mix(xp, _mix(xp, keys ^ C3, wide) ^ j, wide)
     i = xp.reshape(xp.arange(rows.start, rows.stop, dtype=dtype, device=device), (-1, 1))
     r = _mix(xp, keys ^ i, wide)
-    per_row = max(1, math.prod(keys.shape[:-2]) * (cols.stop - cols.start))
-    step = max(1, CHUNK // per_row)
+    step = _chunk_rows(keys, cols)
     n = rows.stop - rows.start
     parts = [
         _finish(xp, r[..., a : min(a + step, n), :] ^ c, wide) >= limit for a in range(0, n, step)
     ]
     return parts[0] if len(parts) == 1 else xp.concat(parts, axis=-2)
+
+
+def _chunk_rows(keys: Array, cols: slice) -> int:
+    """Rows per step of :data:`CHUNK` integers."""
+    per_row = max(1, math.prod(keys.shape[:-2]) * (cols.stop - cols.start))
+    return max(1, CHUNK // per_row)
+
+
+def _is_numpy(keys: Array) -> bool:
+    """Whether ``keys`` (and so the tiles) are NumPy arrays: the 32-bit wrapping path."""
+    return type(keys) is np.ndarray
+
+
+def _numpy_keep_chunks(
+    keys: Array, rows: slice, cols: slice, limit: int
+) -> Iterator[tuple[int, int, Any]]:
+    """``(a, b, keep)``: the keep mask of rows ``a:b`` (relative) of the tile, in NumPy.
+
+    The same bits as the portable path, in ``int32``: NumPy's integer products wrap modulo
+    ``2**32``, and ``x * C mod 2**31`` is their low 31 bits (``& MASK31``), so no limbs and no
+    64-bit integers are needed. Half the bytes of ``int64`` per weight, no ``concat``: about
+    2x faster on a 256 x 1024 tile.
+    """
+    i = np.arange(rows.start, rows.stop, dtype=keys.dtype)[:, None]
+    j = np.arange(cols.start, cols.stop, dtype=keys.dtype)
+    r = _mix(np, keys ^ i, True).astype(np.int32)  # (..., n, 1)
+    c = _mix(np, _mix(np, keys ^ C3, True) ^ j, True).astype(np.int32)  # (..., 1, m)
+    step = _chunk_rows(keys, cols)
+    n = rows.stop - rows.start
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        x = r[..., a:b, :] ^ c
+        x *= C1
+        x &= MASK31
+        x ^= x >> 15
+        x *= C2
+        x &= MASK31
+        yield a, b, x >= limit
 
 
 def _finish(xp: ModuleType, x: Array, wide: bool) -> Array:
@@ -218,7 +268,19 @@ class Dropout:
     def tile(
         self, xp: ModuleType, x: Array, rows: slice, cols: slice, device: Any, *, scaled: bool
     ) -> Array:
-        """:meth:`apply` to the caller's own ``x`` with the keep mask of the tile."""
+        """:meth:`apply` to the caller's own ``x`` with the keep mask of the tile.
+
+        A writable NumPy ``x`` whose shape holds the mask's is masked in place chunk by chunk
+        as the hash forms each chunk's mask (:func:`_numpy_keep_chunks`): no tile-sized mask,
+        cast or temporary product.
+        """
+        if _is_numpy(self.keys) and _is_numpy(x) and inplace._in_place(x, self.keys):
+            for a, b, keep in _numpy_keep_chunks(self.keys, rows, cols, self.limit):
+                part = x[..., a:b, :]
+                part *= keep
+            if scaled:
+                x *= self.factor
+            return x
         return self.apply(xp, x, self.keep(xp, rows, cols, device), scaled=scaled, own=True)
 
 
@@ -299,8 +361,6 @@ def dropout_keep_mask(
     if len(shape) < 2 or any(n < 0 for n in shape):
         raise ValueError(f"shape must be (..., L, S) with non-negative sizes, got {shape}")
     if xp is None:
-        import numpy as np
-
         from .._compat import array_namespace
 
         xp = array_namespace({"x": np.empty(0)})
