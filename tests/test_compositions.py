@@ -6,10 +6,10 @@ GQA, mask and bias:
 * torch: ``gradcheck`` and ``gradgradcheck`` (double backward, as a gradient penalty
   needs) of the output and the log-sum-exp; ``torch.func.grad`` and ``torch.func.vmap``
   against ``torch.autograd.grad`` and a loop over the batch;
-* JAX: ``jax.grad`` under ``jit`` and ``vmap`` against the oracle's VJP; forward mode
-  (``jax.jacfwd``) and ``jax.hessian`` through every implementation ``"auto"`` may pick,
-  and an explicit ``implementation="blocked"`` refuses ``jax.jacfwd`` with a ``TypeError``
-  naming the implementation that can.
+* JAX: ``jax.grad`` under ``jit`` and ``vmap`` (under ``jit``) against the oracle's VJP;
+  forward mode (``jax.jacfwd``) and ``jax.hessian`` through every implementation ``"auto"``
+  may pick, and an explicit ``implementation="blocked"`` refuses ``jax.jacfwd`` with a
+  ``TypeError`` naming the implementation that can.
 
 Finite differences use torch's own ``gradcheck`` tolerances for float64; comparisons with
 the oracle use the derived bound of :func:`sdpa_array.testing.vjp_oracle_and_bounds`;
@@ -71,17 +71,9 @@ IMPLEMENTATIONS = [
 ]
 
 
-def _params(implementations=IMPLEMENTATIONS, slow_implementations=()):
-    """Every (case, implementation) pair, ``"native"`` only with the cases it computes;
-    those of ``slow_implementations`` (ids) marked ``slow``."""
+def _params(implementations=IMPLEMENTATIONS):
     return [
-        pytest.param(
-            case,
-            implementation,
-            blocks,
-            id=f"{case[0]}-{impl_id}",
-            marks=[pytest.mark.slow] if impl_id in slow_implementations else [],
-        )
+        pytest.param(case, implementation, blocks, id=f"{case[0]}-{impl_id}")
         for case in CASES
         for impl_id, implementation, blocks in implementations
         if implementation != "native" or case[0] in NATIVE_CASES
@@ -228,12 +220,8 @@ def _jax_case(backend, case):
 
 @pytest.mark.parametrize(
     ("case", "implementation", "blocks"),
-    # jax.nn.dot_product_attention computes in float32, so native takes no float64 call.
-    # Several tiles a row ("blocked-2x3") are slow here: a graph per tile to compile under
-    # jit, and the eager vmap compiles every tile's operations (about 10 s a case); the
-    # blocked path's custom_vjp with several tiles a row runs by default under jax.jit and
-    # eagerly in tests/test_autograd.py::test_jax_grad, in float32.
-    _params([i for i in IMPLEMENTATIONS if i[1] != "native"], slow_implementations={"blocked-2x3"}),
+    # jax.nn.dot_product_attention computes in float32, so native takes no float64 call
+    _params([i for i in IMPLEMENTATIONS if i[1] != "native"]),
 )
 def test_jax_grad_under_jit_and_vmap(jax_backend, case, implementation, blocks):
     import jax
@@ -241,7 +229,7 @@ def test_jax_grad_under_jit_and_vmap(jax_backend, case, implementation, blocks):
     arrays, xs, mask, jmask, options = _jax_case(jax_backend, case)
     fn = _attention(jmask, options, implementation, blocks, return_lse=False)
     rng = np.random.default_rng(7)
-    d_out = rng.standard_normal(fn(*xs).shape)
+    d_out = rng.standard_normal(jax.eval_shape(fn, *xs).shape)  # no eager run to compile
     argnums = tuple(range(len(xs)))
 
     def loss(*a):
@@ -258,7 +246,9 @@ def test_jax_grad_under_jit_and_vmap(jax_backend, case, implementation, blocks):
     jitted = jax.jit(jax.grad(loss, argnums=argnums))(*xs)
     for name, g, e, b in zip(("dq", "dk", "dv", "dbias"), jitted, expected, bounds, strict=False):
         assert_within(g, e, b, name)
-    mapped = jax.vmap(jax.grad(loss), in_axes=(0, *[None] * (len(xs) - 1)))(
+    # vmap under jit: the batching rules (and the custom_vjp's) are the same as eagerly, where
+    # vmap would compile each of a few hundred batched operations anew (seconds a case).
+    mapped = jax.jit(jax.vmap(jax.grad(loss), in_axes=(0, *[None] * (len(xs) - 1))))(
         jax.numpy.stack([xs[0], xs[0]]), *xs[1:]
     )
     assert_within(mapped[1], expected[0], bounds[0], "vmap dq")
