@@ -6,13 +6,19 @@ device; :func:`scaled_dot_product_attention_vjp` gives its gradients on the same
 autograd or not. :func:`merge_attention_states` combines partial results over disjoint key
 sets, and :func:`attention_with_kv_cache` decodes against a contiguous or paged key/value
 cache. :func:`dropout_keep_mask` is the keep mask of attention dropout for a seed, the same
-bits on every library. :mod:`sdpa_array.reference` is an independent float64 NumPy oracle
-with the same arguments, and :mod:`sdpa_array.testing` checks any result against it.
+bits on every library. ``mask_mod``/``bias_mod`` take mask and bias functions of the indices
+instead of dense arrays: ready-made ones are in :mod:`sdpa_array.mods`, and
+:func:`create_block_mask` classifies a mask function's blocks once for reuse.
+:mod:`sdpa_array.reference` is an independent float64 NumPy oracle with the same arguments,
+and :mod:`sdpa_array.testing` checks any result against it.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ._api import scaled_dot_product_attention, scaled_dot_product_attention_vjp
+from . import mods
+from ._api import scaled_dot_product_attention
+from ._api_vjp import scaled_dot_product_attention_vjp
+from ._block_mask import BlockMask, create_block_mask
 from ._kernels.dropout import dropout_keep_mask
 from ._kernels.native import CannotDelegateError
 from ._kernels.parallel import get_num_threads, set_num_threads
@@ -20,11 +26,14 @@ from ._kv_cache import attention_with_kv_cache
 from ._merge import merge_attention_states
 
 __all__ = [
+    "BlockMask",
     "CannotDelegateError",
     "attention_with_kv_cache",
+    "create_block_mask",
     "dropout_keep_mask",
     "get_num_threads",
     "merge_attention_states",
+    "mods",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_vjp",
     "set_num_threads",

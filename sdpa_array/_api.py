@@ -1,6 +1,7 @@
-"""The public entry points, forward and VJP: validate, choose, run, finish.
+"""The public forward entry point: validate, choose, run, finish.
 
-Both read the same way: :func:`~sdpa_array._problem.validate` checks every argument into a
+It reads the same way as the VJP's (:mod:`sdpa_array._api_vjp`):
+:func:`~sdpa_array._problem.validate` checks every argument into a
 :class:`~sdpa_array._problem.Problem` before any array work;
 :func:`~sdpa_array._dispatch.choose` picks the implementation from the one table;
 the kernel runs (the forward through :mod:`sdpa_array._autograd`, which wraps it for torch
@@ -12,14 +13,13 @@ from __future__ import annotations
 from typing import Literal, overload
 
 from . import _autograd
-from ._compat import array_namespace
 from ._dispatch import choose
 from ._kernels.native import Request
-from ._problem import Inputs, Problem, check_flag, validate
-from ._result import empty_result, finalize, finish_gradients, zero_gradients
-from ._typing import Alignment, Array, ImplementationName, VJPImplementationName
+from ._problem import Inputs, check_flag, validate
+from ._result import empty_result, finalize
+from ._typing import Alignment, Array, BiasMod, ImplementationName, MaskMod
 
-__all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_vjp"]
+__all__ = ["scaled_dot_product_attention"]
 
 
 @overload
@@ -43,6 +43,8 @@ def scaled_dot_product_attention(
     sinks: Array | None = ...,
     dropout_p: float = ...,
     dropout_seed: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    bias_mod: BiasMod | None = ...,
     return_weights: Literal[False] = ...,
     return_lse: Literal[False] = ...,
     implementation: ImplementationName = ...,
@@ -72,6 +74,8 @@ def scaled_dot_product_attention(
     sinks: Array | None = ...,
     dropout_p: float = ...,
     dropout_seed: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    bias_mod: BiasMod | None = ...,
     return_weights: Literal[True],
     return_lse: Literal[False] = ...,
     implementation: ImplementationName = ...,
@@ -101,6 +105,8 @@ def scaled_dot_product_attention(
     sinks: Array | None = ...,
     dropout_p: float = ...,
     dropout_seed: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    bias_mod: BiasMod | None = ...,
     return_weights: Literal[False] = ...,
     return_lse: Literal[True],
     implementation: ImplementationName = ...,
@@ -130,6 +136,8 @@ def scaled_dot_product_attention(
     sinks: Array | None = ...,
     dropout_p: float = ...,
     dropout_seed: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    bias_mod: BiasMod | None = ...,
     return_weights: Literal[True],
     return_lse: Literal[True],
     implementation: ImplementationName = ...,
@@ -158,6 +166,8 @@ def scaled_dot_product_attention(
     sinks: Array | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    mask_mod: MaskMod | None = None,
+    bias_mod: BiasMod | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
     implementation: ImplementationName = "auto",
@@ -234,6 +244,22 @@ def scaled_dot_product_attention(
     dropout_seed : int, optional
         Required when ``dropout_p > 0``: the keep mask is :func:`dropout_keep_mask` of this
         seed, the same bits on every library, device, dtype and implementation.
+    mask_mod : callable or BlockMask, optional
+        A mask function ``mask_mod(batch, head, q_idx, kv_idx) -> boolean array``
+        (``True`` = may attend), combined with every other restriction; the arguments are
+        integer arrays of the inputs' library and device that broadcast to the shape of the
+        scores being computed (``batch``: the flat index of the batch axes before the heads
+        axis; ``head``: the query head; ``q_idx``, ``kv_idx``: absolute positions), so a
+        function written with their operators and ``array_namespace(q_idx)`` works on every
+        library. It is evaluated tile by tile, never as an ``(L, S)`` array per head; the
+        blocked path skips the tiles it empties (from a :func:`create_block_mask` result,
+        or classifying the function on NumPy indices itself when it computes there).
+        Ready-made ones: :mod:`sdpa_array.mods`.
+    bias_mod : callable, optional
+        A bias function ``bias_mod(batch, head, q_idx, kv_idx) -> floating array`` with the
+        same arguments, added to the scores where ``bias`` is (after ``softcap``, before the
+        masks; ``-inf`` excludes), e.g. :func:`sdpa_array.mods.alibi`. No gradient reaches
+        it.
     return_weights : bool, default False
         Also return the attention weights ``(..., Hq, L, S)`` (after dropout).
     return_lse : bool, default False
@@ -254,7 +280,7 @@ def scaled_dot_product_attention(
           flash-attention kernel when the log-sum-exp is wanted, or
           ``jax.nn.dot_product_attention``) where that computes it exactly, and raises
           :class:`~sdpa_array.CannotDelegateError` (a ``ValueError``) naming the
-          reason otherwise (e.g. ``softcap``, NumPy arrays).
+          reason otherwise (e.g. ``softcap``, ``mask_mod``, NumPy arrays).
         * ``"dask"`` builds a Dask graph of (query chunk, key chunk) tasks merged by
           a tree of :func:`merge_attention_states` (Dask inputs; see the distributed
           page of the docs).
@@ -283,12 +309,15 @@ def scaled_dot_product_attention(
     ------
     TypeError
         Arrays from different libraries, non-floating or mismatched dtypes, a non-boolean
-        ``mask``, a non-floating ``bias``.
+        ``mask``, a non-floating ``bias``, a ``mask_mod``/``bias_mod`` that is not callable
+        or returns another library's array or the wrong dtype.
     ValueError
         Shapes that do not fit together, out-of-range ``scale``, ``softcap``, ``window`` or
         ``dropout_p`` (or no ``dropout_seed`` for it),
         unknown ``alignment`` or ``implementation``, block sizes that are not positive
-        ints or are given to an implementation other than blocked.
+        ints or are given to an implementation other than blocked; a ``mask_mod`` or
+        ``bias_mod`` that raises or returns a shape not following its index arrays (each
+        tried on one index before any work), a ``BlockMask`` made for other sizes.
     CannotDelegateError
         ``implementation="native"`` for a call no native kernel computes exactly (a
         subclass of ``ValueError``).
@@ -327,6 +356,8 @@ def scaled_dot_product_attention(
         sinks=sinks,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
+        mask_mod=mask_mod,
+        bias_mod=bias_mod,
     )
     check_flag("return_weights", return_weights)
     check_flag("return_lse", return_lse)
@@ -340,161 +371,3 @@ def scaled_dot_product_attention(
             choice, p, x, return_weights=return_weights, return_lse=return_lse
         )
     return finalize(p, result, return_weights=return_weights, return_lse=return_lse)
-
-
-def _check_grad_output(p: Problem, query: Array, grad_output: Array) -> None:
-    try:
-        array_namespace({"query": query, "grad_output": grad_output})
-    except TypeError:
-        kind = f"{type(grad_output).__module__}.{type(grad_output).__qualname__}"
-        raise TypeError(
-            "grad_output must be an array of the inputs' library "
-            f"({type(query).__module__}.{type(query).__qualname__}), got {kind}"
-        ) from None
-    if grad_output.dtype != query.dtype:
-        raise TypeError(
-            f"grad_output must have the output's dtype {query.dtype}, got {grad_output.dtype}"
-        )
-    if tuple(grad_output.shape) != p.out_shape:
-        raise ValueError(
-            f"grad_output has shape {tuple(grad_output.shape)}; it must have the output's "
-            f"shape (..., Hq, L, Ev) = {p.out_shape}"
-        )
-
-
-def scaled_dot_product_attention_vjp(
-    query: Array,
-    key: Array,
-    value: Array,
-    grad_output: Array,
-    /,
-    *,
-    mask: Array | None = None,
-    bias: Array | None = None,
-    is_causal: bool = False,
-    window: tuple[int | None, int | None] | None = None,
-    alignment: Alignment = "top_left",
-    scale: float | Array | None = None,
-    softcap: float | None = None,
-    enable_gqa: bool = False,
-    query_lengths: int | Array | None = None,
-    key_lengths: int | Array | None = None,
-    segment_ids: tuple[Array, Array] | None = None,
-    sinks: Array | None = None,
-    dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
-    implementation: VJPImplementationName = "auto",
-    block_q: int | None = None,
-    block_k: int | None = None,
-) -> tuple[Array, ...]:
-    r"""Gradients of :func:`scaled_dot_product_attention` for an output cotangent.
-
-    Returns ``(dL/dQ, dL/dK, dL/dV[, dL/dBias][, dL/dSinks][, dL/dscale])`` for
-    ``L = sum(out * grad_output)``: the vector-Jacobian product, on any Array-API library,
-    including those without autograd (NumPy, CuPy, array-api-strict, Dask).
-
-    Parameters
-    ----------
-    query, key, value : array
-        As for :func:`scaled_dot_product_attention`.
-    grad_output : array, shape (..., Hq, L, Ev)
-        Cotangent of the output: exactly the output's shape, same library and dtype.
-    mask, bias, is_causal, window, alignment, scale, softcap, enable_gqa, sinks
-        As for :func:`scaled_dot_product_attention`; ``mask`` has no gradient.
-    dropout_p, dropout_seed
-        As for the forward: the same seed regenerates the same keep mask.
-    query_lengths, key_lengths, segment_ids
-        As for :func:`scaled_dot_product_attention`; they have no gradient, and padded
-        queries and excluded keys get gradients of exactly zero.
-    implementation : {"auto", "materialized", "blocked", "dask"}, default "auto"
-        ``"materialized"`` forms the full score matrix once; ``"blocked"`` works tile by
-        tile in ``O(block_q * block_k)`` memory per batch element, skipping the tiles that
-        causal or window restrictions exclude; ``"dask"`` builds the matching Dask graph.
-        ``"auto"`` chooses as the forward does: the Dask graph for Dask arrays, blocked
-        when block sizes are given or the score matrix would be large.
-    block_q, block_k : int, optional
-        Block sizes of the blocked implementation (chosen from the shapes by default).
-
-    Returns
-    -------
-    grad_query : array
-        Same shape, dtype, library and device as ``query``.
-    grad_key, grad_value : array
-        Same as ``key`` and ``value``; with ``enable_gqa`` summed over each group of query
-        heads, and with broadcast batch axes summed back to the input's own shape.
-    grad_bias : array
-        Only if ``bias`` is given: same shape and dtype as ``bias``, summed over the axes
-        along which it was broadcast.
-    grad_sinks : array
-        Only if ``sinks`` is given (after ``grad_bias``, before ``grad_scale``): the shape
-        and dtype of ``sinks``, ``-sum_i p_sink_i (dO_i · O_i)`` over the rows it reaches.
-    grad_scale : array
-        Only if ``scale`` is an array: 0-d, with the dtype of ``scale``.
-
-    Raises
-    ------
-    TypeError
-        As for the forward; also a ``grad_output`` that is not an array of the same
-        library, or whose dtype is not the output's.
-    ValueError
-        As for the forward; also a ``grad_output`` whose shape is not the output's, an
-        unknown ``implementation``, or block sizes for the materialized implementation.
-
-    Notes
-    -----
-    With ``Z`` the final scores, ``P = softmax(Z)`` and the softmax Jacobian
-    ``dp_j/dz_k = p_j (delta_jk - p_k)``:
-
-    .. math::
-
-        dV = P^T dO, \quad dP = dO\, V^T, \quad D_i = \sum_j P_{ij} dP_{ij}
-        = (dO \odot O)_i \mathbf{1}, \quad dZ = P \odot (dP - D),
-
-    ``dBias = dZ``, and with ``dS = dZ`` (times ``1 - tanh²`` under a soft-cap),
-    ``dQ = scale · dS K``, ``dK = scale · dSᵀ Q`` and, when ``scale`` is an array,
-    ``dscale = Σ dS ⊙ (Q Kᵀ) = Σ Q ⊙ dQ / scale``. Everything runs in at least float32
-    and is returned in the inputs' dtypes. Rows with no admissible key, and keys no query
-    may attend, get gradients of exactly zero.
-
-    The blocked implementation computes ``P`` tile by tile: from the tile's own softmax when
-    a tile holds whole rows, otherwise as ``exp(Z - lse)`` from the blocked forward pass's
-    log-sum-exp (FlashAttention-2). :mod:`sdpa_array.reference` has an independent float64
-    version that forms the Jacobian explicitly.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from sdpa_array import scaled_dot_product_attention_vjp
-    >>> q, k = np.ones((1, 2)), np.ones((3, 2))
-    >>> v = np.arange(3.0)[:, None]
-    >>> dq, dk, dv = scaled_dot_product_attention_vjp(q, k, v, np.ones((1, 1)))
-    >>> dv.round(4)
-    array([[0.3333],
-           [0.3333],
-           [0.3333]])
-    """
-    p = validate(
-        query,
-        key,
-        value,
-        mask=mask,
-        bias=bias,
-        is_causal=is_causal,
-        window=window,
-        alignment=alignment,
-        scale=scale,
-        softcap=softcap,
-        enable_gqa=enable_gqa,
-        query_lengths=query_lengths,
-        key_lengths=key_lengths,
-        segment_ids=segment_ids,
-        sinks=sinks,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-    )
-    _check_grad_output(p, query, grad_output)
-    choice = choose(p, implementation, (block_q, block_k))
-    x = Inputs(query, key, value, mask, bias, p.scale if p.scale_is_array else None, sinks)
-    if p.L == 0 or p.S == 0:  # nothing reaches the output: every gradient is zero
-        return zero_gradients(p, x)
-    return finish_gradients(p, x, choice.backward(p, x, grad_output))

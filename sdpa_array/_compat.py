@@ -28,6 +28,7 @@ __all__ = [
     "is_torch_namespace",
     "known_value",
     "namespace_name",
+    "stop_gradient",
 ]
 
 
@@ -105,3 +106,18 @@ def host_values(x: Any) -> np.ndarray | None:
         return None
     except Exception:
         return None
+
+
+def stop_gradient(xp: ModuleType, x: Any) -> Any:
+    """``x`` as data: torch and JAX autodiff see no dependence on what it was computed from.
+
+    Used on the values of mask and bias functions, which are data to the kernels (their
+    gradients are not computed), so that no path differentiates through them.
+    """
+    if is_torch_namespace(xp):
+        return x.detach()
+    if is_jax_namespace(xp):
+        import jax
+
+        return jax.lax.stop_gradient(x)
+    return x

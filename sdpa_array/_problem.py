@@ -18,6 +18,7 @@ import numpy as np
 from ._compat import array_namespace, device, is_array_api_obj, known_value
 from ._kernels.dropout import check_dropout
 from ._kernels.restrictions import Band
+from ._mod_args import check_mods
 from ._sequences import Lengths, Segments, check_lengths, check_segments
 from ._typing import Array
 
@@ -68,6 +69,8 @@ class Problem:
         Probability of dropping an attention weight (0: no dropout).
     dropout_seed : int or None
         Seed of the keep mask (given when ``dropout_p > 0``).
+    mask_mod, bias_mod : callable or None
+        The caller's mask and bias functions (``mask_mod`` possibly a ``BlockMask``).
     """
 
     xp: ModuleType
@@ -93,6 +96,8 @@ class Problem:
     has_sinks: bool = False
     dropout_p: float = 0.0
     dropout_seed: int | None = None
+    mask_mod: Any = None
+    bias_mod: Any = None
 
     @property
     def sequence_batch(self) -> tuple[int, ...]:
@@ -103,6 +108,11 @@ class Problem:
     def has_sequences(self) -> bool:
         """Whether lengths or segment ids restrict the call."""
         return any(a is not None for a in (self.query_lengths, self.key_lengths, self.segments))
+
+    @property
+    def has_mods(self) -> bool:
+        """Whether a mask or bias function was given."""
+        return self.mask_mod is not None or self.bias_mod is not None
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -334,6 +344,8 @@ def validate(
     sinks: Any = None,
     dropout_p: Any = 0.0,
     dropout_seed: Any = None,
+    mask_mod: Any = None,
+    bias_mod: Any = None,
 ) -> Problem:
     """Check every argument and return the :class:`Problem` they describe.
 
@@ -347,7 +359,9 @@ def validate(
     ValueError
         Inconsistent shapes or out-of-range options (a ``scale`` array's value only where it
         can be read: not on lazy Dask arrays or JAX tracers); the message names both. Also
-        ``dropout_p`` outside ``[0, 1)``, or above 0 without ``dropout_seed``.
+        ``dropout_p`` outside ``[0, 1)``, or above 0 without ``dropout_seed``. A
+        ``mask_mod``/``bias_mod`` that is not callable, or that raises or returns a wrong
+        result on a probe index (see :mod:`sdpa_array._mod_args`).
     """
     named = {"query": query, "key": key, "value": value, "mask": mask, "bias": bias}
     xp = array_namespace({**named, "sinks": sinks})
@@ -399,6 +413,7 @@ def validate(
     q_lengths = check_lengths("query_lengths", query_lengths, limit=L, **common)
     k_lengths = check_lengths("key_lengths", key_lengths, limit=S, **common)
     segments = check_segments(segment_ids, L=L, S=S, **common)
+    mask_fn, bias_fn = check_mods(xp, dev, mask_mod, bias_mod, batch, L, S)
 
     dtype = query.dtype
     compute_dtype = dtype if xp.finfo(dtype).bits >= 32 else xp.float32
@@ -428,4 +443,6 @@ def validate(
         has_sinks=sinks is not None,
         dropout_p=drop_p,
         dropout_seed=drop_seed,
+        mask_mod=mask_fn,
+        bias_mod=bias_fn,
     )

@@ -7,9 +7,17 @@ array-api-strict): the standard defines a protocol, not a class, so static check
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal, TypeAlias
 
-__all__ = ["Alignment", "Array", "ImplementationName", "VJPImplementationName"]
+__all__ = [
+    "Alignment",
+    "Array",
+    "BiasMod",
+    "ImplementationName",
+    "MaskMod",
+    "VJPImplementationName",
+]
 
 #: An array of any Array-API library.
 Array: TypeAlias = Any
@@ -22,3 +30,9 @@ ImplementationName: TypeAlias = Literal["auto", "materialized", "blocked", "nati
 
 #: The ``implementation=`` choices of the VJP.
 VJPImplementationName: TypeAlias = Literal["auto", "materialized", "blocked", "dask"]
+
+#: A mask function ``mask_mod(batch, head, q_idx, kv_idx) -> boolean array``.
+MaskMod: TypeAlias = Callable[[Any, Any, Any, Any], Any]
+
+#: A bias function ``bias_mod(batch, head, q_idx, kv_idx) -> floating array``.
+BiasMod: TypeAlias = Callable[[Any, Any, Any, Any], Any]

@@ -5,7 +5,10 @@ The forward and backward kernels share one pipeline, one module a step:
 * :mod:`.layout`, :mod:`.slicing`: the kernel layout (batch axes, GQA groups, tiles);
 * :mod:`.restrictions`: every restriction behind one interface that classifies a tile as
   empty, full or partial and builds the boolean mask of partial tiles only;
-* :mod:`.score_terms`: every term that changes a score's value (scale, soft-cap, bias);
+* :mod:`.score_terms`: every term that changes a score's value (scale, soft-cap, bias,
+  sinks);
+* :mod:`.sequences`, :mod:`.mod_terms`: the restrictions of lengths and segment ids, and
+  the mask and bias functions (``mask_mod``/``bias_mod``) as a restriction and a term;
 * :mod:`.operands`: the caller's arrays prepared once, and :func:`~.operands.tile_scores`;
 * :mod:`.softmax`: the NaN-free softmax pieces;
 * :mod:`.tiling`: block sizes, tile plans and batch splits of the blocked kernels;

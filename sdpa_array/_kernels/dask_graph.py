@@ -312,9 +312,9 @@ def _token(g: _Grid, st: _Static, kind: str, extra: Any = ()) -> str:
 
 def _graph_applies(p: Problem, x: Inputs) -> bool:
     """Whether the chunk-pair graph computes the call: Dask inputs, and none of the features
-    whose chunk pairs it does not split (attention sinks, dropout), which the blocked kernel
-    computes instead."""
-    unsplit = p.has_sinks or p.dropout_p > 0
+    whose chunk pairs it does not split (attention sinks, dropout, mask and bias functions),
+    which the blocked kernel computes instead."""
+    unsplit = p.has_sinks or p.dropout_p > 0 or p.has_mods
     return is_dask_array(x.query) and not unsplit
 
 
@@ -330,8 +330,8 @@ def dask_attention(
 ) -> AttentionResult:
     """Attention as a Dask graph of chunk pairs and merge trees (see the module docstring).
 
-    ``return_weights``, inputs that are not Dask arrays, attention sinks and dropout fall
-    back to the blocked kernel.
+    ``return_weights``, inputs that are not Dask arrays, attention sinks, dropout and mask
+    or bias functions fall back to the blocked kernel.
     The result is lazy: nothing is computed here.
     """
     if return_weights or not _graph_applies(p, x):

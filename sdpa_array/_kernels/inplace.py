@@ -6,7 +6,8 @@ rebinds. A torch tensor that takes part in autograd must not be changed in place
 values saved for its backward pass would change), nor can a tensor combined with one that a
 ``torch.func`` transform wraps (under ``vmap`` the other operand may hold more elements than
 it shows), and a read-only NumPy array cannot be.
-The kernels call :func:`subtract` and :func:`multiply` on arrays they created themselves.
+The kernels call :func:`add`, :func:`subtract` and :func:`multiply` on arrays they created
+themselves.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 
 from .._typing import Array
 
-__all__ = ["multiply", "subtract"]
+__all__ = ["add", "multiply", "subtract"]
 
 
 def _functorch_wrapped(a: Array) -> bool:
@@ -37,6 +38,14 @@ def _in_place(x: Array, y: Array) -> bool:
         return False
     flags = getattr(x, "flags", None)
     return flags is None or bool(getattr(flags, "writeable", True))
+
+
+def add(x: Array, y: Array) -> Array:
+    """``x + y``, written into ``x`` where that is allowed; use the returned array."""
+    if _in_place(x, y):
+        x += y
+        return x
+    return x + y
 
 
 def subtract(x: Array, y: Array) -> Array:

@@ -136,6 +136,7 @@ def _common_checks(p: Problem) -> None:
         (p.softcap is not None, "no native kernel applies a softcap"),
         (p.has_sinks, "no native kernel adds attention sinks"),
         (p.dropout_p > 0, "native dropout does not draw dropout_keep_mask's bits"),
+        (p.has_mods, "mask_mod/bias_mod are not delegated (see docs: implementations)"),
         (p.E == 0, "E == 0 (empty feature axis)"),
     ):
         if refused:

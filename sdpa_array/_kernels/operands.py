@@ -8,9 +8,10 @@
    two), else the scores of each tile are scaled; with grouped-query
    attention the query heads are split into ``(Hkv, G)`` so that keys and values are never
    repeated in memory;
-2. the bias and the sinks become :class:`ScoreTerms` members, dropout a
-   :class:`~.dropout.Dropout` with one hash key per batch element and head, the mask and
-   the causal/window band members of one :class:`Restrictions`.
+2. the bias, ``bias_mod`` and the sinks become :class:`ScoreTerms` members, dropout a
+   :class:`~.dropout.Dropout` with one hash key per batch element and head, the mask,
+   ``mask_mod`` and the causal/window/sequence restrictions members of one
+   :class:`Restrictions`.
 
 :func:`tile_scores` then gives the final scores of any (query rows, key columns) tile, and
 every kernel, forward or backward, materialized or blocked, goes through it.
@@ -32,6 +33,7 @@ from .layout import (
     grouped_score_term,
     leading_axes,
 )
+from .mod_terms import mod_bias, mod_mask
 from .restrictions import DenseMask, Restrictions
 from .score_terms import ScoreTerms
 from .sequences import sequence_members
@@ -116,7 +118,13 @@ def prepare(p: Problem, x: Inputs) -> Operands:
     sink = None
     if x.sinks is not None:
         sink = xp.astype(x.sinks, p.compute_dtype, copy=False)[..., None, None]
-    terms = ScoreTerms(kernel_scale(p), p.softcap, layout(bias, term=True), layout(sink, term=True))
+    terms = ScoreTerms(
+        kernel_scale(p),
+        p.softcap,
+        layout(bias, term=True),
+        layout(sink, term=True),
+        mod_bias(p),
+    )
     dropout = None
     if p.dropout_p > 0:
         keys = key_grid(xp, p.dropout_seed or 0, p.batch_shape, p.device)[..., None, None]
@@ -129,6 +137,9 @@ def prepare(p: Problem, x: Inputs) -> Operands:
         members.insert(0, p.band)
     if x.mask is not None:
         members.append(DenseMask(layout(x.mask, term=True), p.S))
+    mask_fn = mod_mask(p)
+    if mask_fn is not None:
+        members.append(mask_fn)
     return Operands(
         q=layout(q, query=True),
         k=layout(xp.astype(x.key, p.compute_dtype, copy=False)),

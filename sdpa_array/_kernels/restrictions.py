@@ -1,7 +1,8 @@
 """Restrictions: which (query, key) pairs may attend, behind one interface.
 
 Every restriction of a call (causal and sliding-window positions, a dense boolean ``mask``,
-and whatever comes next: query/key lengths, segment ids, mask functions) is a member of
+query/key lengths and segment ids (:mod:`.sequences`), a mask function (:mod:`.mod_terms`),
+and whatever comes next) is a member of
 one :class:`Restrictions`, which the kernels ask two questions about a tile of queries
 ``rows`` and keys ``cols``:
 
@@ -16,7 +17,9 @@ ranges of a query block, answered in plain Python integers before any array work
 *some* query of the block may reach (:meth:`~Restriction.key_range`, a superset) and the
 keys *every* query of the block may reach (:meth:`~Restriction.full_range`, a subset); a
 member that cannot know (a dense mask, whose values are data) answers ``(0, S)`` and an
-empty range. The combination is the logical *and* of its members.
+empty range. A member whose admissible keys are not one range per query block (a mask
+function's blocks) also answers :meth:`Restrictions.classify`'s question for a tile itself.
+The combination is the logical *and* of its members.
 
 Positions follow the call's alignment: query ``i`` has its *diagonal* at key ``i + offset``
 (``offset = 0`` for ``"top_left"``, ``S - L`` for ``"bottom_right"``); ``is_causal`` admits
@@ -63,6 +66,20 @@ class Restriction(Protocol):
     def at(self, index: tuple[int, ...]) -> Restriction:
         """The restriction of the outer batch slice ``index`` of the kernel layout."""
         ...
+
+    # A member may also define ``classify(rows, cols) -> TileKind`` when its admissible keys
+    # are not one range per query block (a mask function's blocks): the ranges then bound
+    # the tile plan, and ``classify`` says which tiles inside them are empty or full.
+
+
+def _member_kind(m: Restriction, rows: slice, cols: slice) -> TileKind:
+    """How one member covers a tile: its own :meth:`classify` where it has one (a member
+    whose admissible keys are not one range per query block), else from its two ranges."""
+    own = getattr(m, "classify", None)
+    if own is not None:
+        kind: TileKind = own(rows, cols)
+        return kind
+    return _classify(m.key_range(rows.start, rows.stop), m.full_range(rows.start, rows.stop), cols)
 
 
 def _classify(key: tuple[int, int], full: tuple[int, int], cols: slice) -> TileKind:
@@ -217,10 +234,18 @@ class Restrictions:
         return lo, max(lo, hi)
 
     def classify(self, rows: slice, cols: slice) -> TileKind:
-        """Whether the tile is empty, full or partial."""
-        return _classify(
-            self.key_range(rows.start, rows.stop), self.full_range(rows.start, rows.stop), cols
-        )
+        """Whether the tile is empty, full or partial.
+
+        Empty when the members' key ranges do not meet inside the tile or one member finds
+        it empty; full when every member finds it full.
+        """
+        lo, hi = self.key_range(rows.start, rows.stop)
+        if max(lo, cols.start) >= min(hi, cols.stop):
+            return TileKind.EMPTY
+        kinds = {_member_kind(m, rows, cols) for m in self.members}
+        if TileKind.EMPTY in kinds:
+            return TileKind.EMPTY
+        return TileKind.PARTIAL if TileKind.PARTIAL in kinds else TileKind.FULL
 
     def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array | None:
         """Boolean mask of a tile, or ``None`` when every pair of the tile is admissible.
@@ -230,8 +255,7 @@ class Restrictions:
         """
         allowed = None
         for m in self.members:
-            full = m.full_range(rows.start, rows.stop)
-            if _classify(m.key_range(rows.start, rows.stop), full, cols) is TileKind.FULL:
+            if _member_kind(m, rows, cols) is TileKind.FULL:
                 continue
             mine = m.tile_mask(xp, device, rows, cols)
             allowed = mine if allowed is None else xp.logical_and(allowed, mine)

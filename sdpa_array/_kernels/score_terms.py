@@ -3,11 +3,12 @@
 Every term that changes a score's *value* lives in :class:`ScoreTerms`, applied tile by
 tile in the order of the public definition: the ``scale`` (folded into the query when
 that rounds nothing, see :attr:`ScoreTerms.scale_in_query`), the ``softcap``
-(``c · tanh(s / c)``) and the additive ``bias``; then the softmax's own term, the ``sink``
+(``c · tanh(s / c)``), the additive ``bias`` and the bias function ``bias_mod`` (evaluated on
+the tile's indices, :class:`~.mod_terms.ModBias`); then the softmax's own term, the ``sink``
 (one logit per query head whose value is zero: :meth:`ScoreTerms.row_max` and
 :meth:`ScoreTerms.sink_total` are its steps in the softmax and the online softmax).
 Restrictions, which only *exclude* scores, live in :mod:`sdpa_array._kernels.restrictions`.
-New terms (bias functions, sinks) become fields and steps of this class, so the forward and
+New terms become fields and steps of this class, so the forward and
 backward kernels pick them up together.
 """
 
@@ -19,6 +20,7 @@ from types import ModuleType
 
 from .._typing import Array
 from . import inplace
+from .mod_terms import ModBias
 from .slicing import at_batch, tile_of
 
 __all__ = ["ScoreTerms"]
@@ -40,12 +42,15 @@ class ScoreTerms:
         The sink logits ``(..., 1, 1)`` in the compute dtype: every row's softmax
         denominator gets ``exp(sink)``, and the sink adds nothing to the output. Not scaled,
         capped or masked.
+    bias_mod : ModBias or None
+        The caller's ``bias_mod``, added where ``bias`` is.
     """
 
     scale: float | Array
     softcap: float | None
     bias: Array
     sink: Array = None
+    bias_mod: ModBias | None = None
 
     @property
     def scale_in_query(self) -> bool:
@@ -67,10 +72,14 @@ class ScoreTerms:
 
     def at(self, index: tuple[int, ...]) -> ScoreTerms:
         """The terms of the outer batch slice ``index``."""
-        if (self.bias is None and self.sink is None) or not index:
+        if (self.bias is None and self.sink is None and self.bias_mod is None) or not index:
             return self
         return ScoreTerms(
-            self.scale, self.softcap, at_batch(self.bias, index), at_batch(self.sink, index)
+            self.scale,
+            self.softcap,
+            at_batch(self.bias, index),
+            at_batch(self.sink, index),
+            None if self.bias_mod is None else self.bias_mod.at(index),
         )
 
     def row_max(self, xp: ModuleType, tile_max: Array) -> Array:
@@ -112,4 +121,6 @@ class ScoreTerms:
         b = tile_of(self.bias, rows, cols)
         if b is not None:
             s = s + b
+        if self.bias_mod is not None:
+            s = inplace.add(s, self.bias_mod.tile(rows, cols, s.dtype))
         return s, factor

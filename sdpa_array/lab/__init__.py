@@ -46,7 +46,7 @@ from __future__ import annotations
 
 # Names the single-module ``sdpa_array.lab`` also exposed; kept so that they still resolve.
 from .._api import scaled_dot_product_attention as scaled_dot_product_attention
-from .._api import scaled_dot_product_attention_vjp as scaled_dot_product_attention_vjp
+from .._api_vjp import scaled_dot_product_attention_vjp as scaled_dot_product_attention_vjp
 from .._compat import array_namespace as array_namespace
 from .._compat import device as device
 from ..reference import to_numpy as to_numpy

@@ -20,7 +20,8 @@ shape ``(..., Hkv, S, Ev)`` (the heads axis is optional, leading batch axes broa
 1. ``z = (Q Kᵀ) * scale`` with ``scale = 1/sqrt(E)`` by default; ``scale`` may be a number
    or a 0-d array of any library, positive and finite;
 2. if ``softcap`` is given, ``z = softcap * tanh(z / softcap)``;
-3. if ``bias`` is given, ``z = z + bias``;
+3. if ``bias`` is given, ``z = z + bias``; if ``bias_mod`` is given,
+   ``z = z + bias_mod(b, h, i, j)`` (both are added when both are given);
 4. key ``j`` is excluded for query ``i`` (its score becomes ``-inf``) where
 
    a. ``mask`` is ``False``, or ``z`` is ``-inf``;
@@ -30,12 +31,20 @@ shape ``(..., Hkv, S, Ev)`` (the heads axis is optional, leading batch axes broa
       ``[diag - left, diag + right]``, where ``diag = i`` for ``alignment="top_left"`` and
       ``diag = i + key_lengths[b] - query_lengths[b]`` for ``"bottom_right"`` (lengths not
       given count as ``L`` and ``S``);
+   e. ``mask_mod(b, h, i, j)`` is ``False``;
 
 5. ``P = softmax(z)`` row-wise and ``out = P V``; with ``sinks`` the softmax runs over
    ``[z, sink_h]`` and the sink's column (whose value is zero) is dropped, so rows sum to
    less than one and ``lse`` includes the sink; with ``dropout_p`` the weights are multiplied
    by ``dropout_keep_mask(dropout_seed, shape, dropout_p) / (1 - dropout_p)`` before ``V``
    (``lse`` is unaffected).
+
+``mask_mod`` and ``bias_mod`` are called once, with integer arrays of the query's library
+and device that broadcast to the scores' shape ``(*batch, Hq, L, S)``: ``b`` is the batch
+element's row-major flattened index (shape ``(*batch, 1, 1, 1)``), ``h`` the query head
+(``(Hq, 1, 1)``), ``i`` the query (``(L, 1)``) and ``j`` the key (``(S,)``); without a
+heads axis (scores ``(L, S)``) ``b`` and ``h`` are 0-d zeros. They hold no parameters and
+get no gradient.
 
 A query row with no admissible key (padded queries among them) yields an output row of
 zeros, weights of zeros and a log-sum-exp of ``-inf`` (``sink_h`` with sinks), and passes
@@ -56,8 +65,9 @@ array([[0.75]])
 
 Every feature gets its own code here first, independent of the fast paths: the package holds
 the conversion to NumPy (``_convert``), the index grids of step 4 b-d and the reading of
-``scale`` (``_restrictions``), the forward pass (``_forward``), the public forward functions
-(``_attention``), the adjoints of broadcasting (``_adjoints``) and the gradients (``_vjp``).
+``scale`` (``_restrictions``), the calling of ``mask_mod`` and ``bias_mod`` (``_mods``), the
+forward pass (``_forward``), the public forward functions (``_attention``), the adjoints of
+broadcasting (``_adjoints``) and the gradients (``_vjp``).
 The gradient of a ``scale`` given as an array is ``sum(dZ' * (Q Kᵀ))``, ``dZ'`` being the
 gradient with respect to the scaled scores of step 1.
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,8 @@ def scaled_dot_product_attention(
     sinks: Any = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
+    bias_mod: Callable[..., Any] | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, ...]:
@@ -88,6 +91,20 @@ def scaled_dot_product_attention(
         The mask is :func:`sdpa_array.dropout_keep_mask` of ``dropout_seed``.
     dropout_seed : int, optional
         Required when ``dropout_p > 0``.
+    mask_mod : callable, optional
+        ``mask_mod(batch, head, q_idx, kv_idx)`` returns booleans, ``True`` where a query may
+        attend a key, combined (logical and) with every other restriction. Called once with
+        four integer arrays of the query's library and device that broadcast together to the
+        scores' shape ``(*batch_shape, Hq, L, S)``: ``batch`` the row-major flattened index
+        of the batch element, shape ``(*batch_shape, 1, 1, 1)`` (zeros without batch axes),
+        ``head`` the query head, shape ``(Hq, 1, 1)``, ``q_idx`` shape ``(L, 1)`` and
+        ``kv_idx`` shape ``(S,)``; for inputs without a heads axis ``batch`` and ``head``
+        are 0-d zeros. The result must broadcast to the scores' shape.
+    bias_mod : callable, optional
+        ``bias_mod(batch, head, q_idx, kv_idx)`` returns real floating additive scores (read
+        as float64), called like ``mask_mod`` and added where ``bias`` is (after
+        ``softcap``, before the masks; with ``bias`` too, both are added); ``-inf``
+        excludes a key.
     return_weights : bool, default False
         Also return the attention weights (after dropout), shape ``(..., Hq, L, S)``.
     return_lse : bool, default False
@@ -107,10 +124,14 @@ def scaled_dot_product_attention(
     ValueError
         For inconsistent shapes, an unknown ``alignment``, a non-positive ``softcap``, a
         ``scale`` that is not positive and finite, a malformed ``window``, lengths outside
-        ``[0, L]`` / ``[0, S]``, or lengths or segment ids that do not broadcast.
+        ``[0, L]`` / ``[0, S]``, or lengths or segment ids that do not broadcast; if
+        ``mask_mod`` or ``bias_mod`` raises (chained) or returns a shape that does not
+        broadcast to the scores' shape.
     TypeError
         If ``mask`` is not boolean, ``scale`` is not a real number or 0-d array, lengths
-        or segment ids are not integers, or ``segment_ids`` is not a pair.
+        or segment ids are not integers, or ``segment_ids`` is not a pair; if ``mask_mod``
+        or ``bias_mod`` is not callable, or returns a dtype other than boolean
+        (``mask_mod``) or real floating (``bias_mod``).
 
     See Also
     --------
@@ -141,6 +162,14 @@ def scaled_dot_product_attention(
     array([[2.],
            [2.],
            [5.]])
+
+    The same documents as a ``mask_mod``, written with the index arrays it receives:
+
+    >>> doc = np.array([0, 0, 1])
+    >>> scaled_dot_product_attention(q, k, v, mask_mod=lambda b, h, i, j: doc[i] == doc[j])
+    array([[2.],
+           [2.],
+           [5.]])
     """
     prep = validate_and_prepare(
         query,
@@ -159,6 +188,8 @@ def scaled_dot_product_attention(
         sinks=sinks,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
+        mask_mod=mask_mod,
+        bias_mod=bias_mod,
     )
     fwd = forward_pass(prep, is_causal, window, alignment, softcap)
     if not (return_weights or return_lse):
@@ -191,17 +222,19 @@ def intermediates(
     sinks: Any = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
+    bias_mod: Callable[..., Any] | None = None,
 ) -> dict[str, Any]:
     """Every intermediate of the oracle's forward pass, in float64, for error analysis.
 
     Takes the arguments of :func:`scaled_dot_product_attention` (``scale`` as a number or a
-    0-d array, ``query_lengths``, ``key_lengths`` and ``segment_ids`` included) and returns
-    a dict with ``q``, ``k_rep`` and ``v_rep`` (keys and values with one head per query
-    head), ``group`` (query heads per key/value head), the resolved ``scale`` (a float),
-    ``raw`` (scaled scores before the soft-cap), ``z`` (final scores, ``-inf`` where
-    excluded), ``allowed`` (boolean, the scores' shape, every restriction included),
-    ``weights``, ``out`` and ``lse``. :mod:`sdpa_array.testing` derives the
-    gradients' error bounds from them.
+    0-d array, ``query_lengths``, ``key_lengths``, ``segment_ids``, ``mask_mod`` and
+    ``bias_mod`` included) and returns a dict with ``q``, ``k_rep`` and ``v_rep`` (keys
+    and values with one head per query head), ``group`` (query heads per key/value head),
+    the resolved ``scale`` (a float), ``raw`` (scaled scores before the soft-cap, ``bias``
+    and ``bias_mod``), ``z`` (final scores, ``-inf`` where excluded), ``allowed``
+    (boolean, the scores' shape, every restriction included), ``weights``, ``out`` and
+    ``lse``. :mod:`sdpa_array.testing` derives the gradients' error bounds from them.
     """
     prep = validate_and_prepare(
         query,
@@ -220,6 +253,8 @@ def intermediates(
         sinks=sinks,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
+        mask_mod=mask_mod,
+        bias_mod=bias_mod,
     )
     fwd = forward_pass(prep, is_causal, window, alignment, softcap)
     keep = ("q", "k_rep", "v_rep", "group", "scale")

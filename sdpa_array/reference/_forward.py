@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ._convert import as_float64, to_numpy
+from ._mods import check_mods, evaluate_mod, index_grids
 from ._restrictions import allowed_by_index, as_lengths, as_segments, resolve_scale
 
 __all__ = ["ALIGNMENTS", "forward_pass", "validate_and_prepare"]
@@ -36,6 +37,8 @@ def validate_and_prepare(
     sinks: Any = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    mask_mod: Any = None,
+    bias_mod: Any = None,
 ) -> dict[str, Any]:
     """Convert the inputs, check their shapes and expand GQA heads.
 
@@ -47,8 +50,10 @@ def validate_and_prepare(
     shape ``batch``, ``L`` / ``S`` where not given) and ``segments`` (``None`` or the pair
     of segment id arrays broadcast to ``batch + (L,)`` and ``batch + (S,)``), ``sinks``
     (float64 broadcast to ``(..., Hq)`` or ``None``) with ``sinks_shape`` (its own shape),
-    ``dropout_p`` and ``dropout_seed``.
+    ``dropout_p`` and ``dropout_seed``, and ``mask_mod`` / ``bias_mod``: ``None`` or the
+    mod's result broadcast to the scores' shape (boolean / float64; see ``_mods``).
     """
+    check_mods(mask_mod, bias_mod)
     q = as_float64(query)
     k = as_float64(key)
     v = as_float64(value)
@@ -126,6 +131,14 @@ def validate_and_prepare(
     if dropout_p > 0 and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed")
 
+    # The mods, evaluated once on the full (batch..., Hq, L, S) grid of indices.
+    mods: dict[str, np.ndarray | None] = {"mask_mod": None, "bias_mod": None}
+    if mask_mod is not None or bias_mod is not None:
+        grids = index_grids(query, lead, L, S)
+        for name, fn in (("mask_mod", mask_mod), ("bias_mod", bias_mod)):
+            if fn is not None:
+                mods[name] = evaluate_mod(name, fn, grids, (*lead, L, S))
+
     return {
         "q": q,
         "k": k,
@@ -145,6 +158,7 @@ def validate_and_prepare(
         "sinks_shape": sinks_shape,
         "dropout_p": float(dropout_p),
         "dropout_seed": dropout_seed,
+        **mods,
     }
 
 
@@ -177,6 +191,8 @@ def forward_pass(
     if prep["bias"] is not None:
         # Must broadcast *to* the scores' shape (it may not add batch axes).
         scores = scores + np.broadcast_to(prep["bias"], scores.shape)
+    if prep["bias_mod"] is not None:  # where bias is: after the softcap, before masks
+        scores = scores + prep["bias_mod"]
 
     # Causal, window, lengths and segments: one (batch..., L, S) array, the same for every
     # head (so a heads axis is inserted before L where the inputs have one).
@@ -195,6 +211,8 @@ def forward_pass(
     allowed = np.broadcast_to(by_index, scores.shape)
     if prep["mask"] is not None:
         allowed = allowed & np.broadcast_to(prep["mask"], scores.shape)
+    if prep["mask_mod"] is not None:
+        allowed = allowed & prep["mask_mod"]
     # A -inf score (from the bias) excludes its key. (NaN is not excluded: it propagates.)
     allowed = allowed & (scores != -np.inf)
 

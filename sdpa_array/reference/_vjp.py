@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,8 @@ def scaled_dot_product_attention_vjp(
     sinks: Any = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    mask_mod: Callable[..., Any] | None = None,
+    bias_mod: Callable[..., Any] | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Reference vector-Jacobian product of :func:`scaled_dot_product_attention`.
 
@@ -51,6 +54,9 @@ def scaled_dot_product_attention_vjp(
     query_lengths, key_lengths, segment_ids
         As in :func:`scaled_dot_product_attention`. Padded queries and excluded keys get
         no gradient and pass none on.
+    mask_mod, bias_mod : callable, optional
+        As in :func:`scaled_dot_product_attention`. They hold no trainable parameters and
+        get no gradient; keys they exclude pass none on.
 
     Returns
     -------
@@ -76,7 +82,7 @@ def scaled_dot_product_attention_vjp(
     * for each query row, ``dZ_row = J dP_row`` with the softmax Jacobian
       ``J = diag(p) - p pᵀ`` (formed explicitly, shape ``(..., L, S, S)``); excluded keys
       and rows without an admissible key get zero;
-    * ``dBias = dZ``; through the softcap the scaled scores get
+    * ``dBias = dZ`` (``bias_mod`` gets none); through the softcap the scaled scores get
       ``dZ * (1 - tanh²(raw / softcap))``;
     * ``dQ = scale * dRaw K`` and ``dK = scale * dRawᵀ Q``;
     * ``dScale = sum(dRaw * (Q Kᵀ))`` over every batch entry, head, query and key (with
@@ -126,6 +132,8 @@ def scaled_dot_product_attention_vjp(
         sinks=sinks,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
+        mask_mod=mask_mod,
+        bias_mod=bias_mod,
     )
     fwd = forward_pass(prep, is_causal, window, alignment, softcap)
     q, k_rep, v_rep = prep["q"], prep["k_rep"], prep["v_rep"]

@@ -19,6 +19,7 @@ from .bounds import (
     compute_dtype,
     dtype_name,
     lse_bound,
+    mod_bias_extent,
     output_bound,
     scale_is_array,
     score_error,
@@ -122,7 +123,8 @@ def assert_close_to_oracle(
     E = q64.shape[-1]
     scale = (1.0 / np.sqrt(E) if E else 1.0) if given is None else float(_host(given))
     S = k64.shape[-2]
-    ds = score_error(dtype, q64, k64, scale, bias64, options.get("softcap"))
+    extent = mod_bias_extent(options.get("bias_mod"), ref_w.shape)
+    ds = score_error(dtype, q64, k64, scale, bias64, options.get("softcap"), extent)
     # A sink is one more term of each row's softmax (rounded once to the compute dtype);
     # dropout multiplies kept weights by 1 / (1 - p), so the output's magnitudes grow by it.
     sinks = options.get("sinks")

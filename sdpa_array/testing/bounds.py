@@ -6,8 +6,10 @@ compute dtype (float32 for float16/bfloat16 inputs) and ``u_o`` of the output dt
 
 * each score ``s_ij = scale * sum_e q_ie k_je`` (plus a bias and a soft-cap, whose derivative is
   at most 1) is off by at most ``|ds| <= (E + 2) u_c * scale * max_ij sum_e |q_ie||k_je|
-  + 2 u_c * max|bias| (+ 4 u_c * softcap)``, the standard ``gamma_E`` bound for a dot
-  product of length ``E``;
+  + 2 u_c * max|bias| + 3 u_c * max|bias_mod| (+ 4 u_c * softcap)``, the standard
+  ``gamma_E`` bound for a dot product of length ``E``; a bias is rounded to the compute
+  dtype and added (``2 u_c``), a ``bias_mod``'s value may also be computed in it (a
+  rounded factor times an exact index difference, ``+ u_c``);
 * the softmax maps a score perturbation ``ds`` to a relative weight perturbation of at most
   ``2 max|ds|``, and ``exp``, the row sum of length ``S`` and the division add ``(S + 4) u_c``;
 * the output ``sum_j p_j v_j`` is a convex combination: its error is at most
@@ -38,6 +40,7 @@ __all__ = [
     "compute_dtype",
     "dtype_name",
     "lse_bound",
+    "mod_bias_extent",
     "output_bound",
     "scale_is_array",
     "score_error",
@@ -77,6 +80,7 @@ def score_error(
     scale: float,
     bias: Any = None,
     softcap: float | None = None,
+    bias_mod_max: float = 0.0,
 ) -> float:
     """Worst-case absolute error of one final score (see the module docstring).
 
@@ -103,7 +107,24 @@ def score_error(
         err += 2 * u * (float(np.max(np.abs(finite))) if finite.size else 0.0)
     if softcap is not None:
         err += 4 * u * softcap
-    return err
+    return err + 3 * u * bias_mod_max
+
+
+def mod_bias_extent(bias_mod: Any, score_shape: tuple[int, ...]) -> float:
+    """Largest finite ``|bias_mod|`` over the scores of ``score_shape`` (0 without one).
+
+    The function is called on NumPy index arrays as the oracle calls it: ``batch`` the flat
+    index of the axes before the heads axis (-3), ``head`` that axis, then the positions.
+    """
+    if bias_mod is None or 0 in score_shape:
+        return 0.0
+    batch, (H, L, S) = score_shape[:-3], (1, *score_shape)[-3:]
+    flat = np.reshape(np.arange(int(np.prod(batch))), (*batch, 1, 1, 1))
+    values = reference.to_numpy(
+        bias_mod(flat, np.arange(H)[:, None, None], np.arange(L)[:, None], np.arange(S))
+    ).astype(np.float64)
+    finite = np.abs(values[np.isfinite(values)])
+    return float(np.max(finite)) if finite.size else 0.0
 
 
 def output_bound(dtype: str, *, S: int, ds: float, v_max: float, out_max: float) -> float:
@@ -208,7 +229,8 @@ def vjp_oracle_and_bounds(
     admissible = fwd["allowed"].astype(np.float64)
     finite_lse = fwd["lse"][np.isfinite(fwd["lse"])]
     lse_max = float(np.max(np.abs(finite_lse))) if finite_lse.size else 0.0
-    ds = score_error(dtype, q, k, scale, bias, softcap)
+    extent = mod_bias_extent(options.get("bias_mod"), P.shape)
+    ds = score_error(dtype, q, k, scale, bias, softcap, extent)
     eps = 3 * ds + (2 * S + 10) * u + 2 * u * lse_max
     dO = np.abs(d_out)
     A = np.matmul(dO, np.swapaxes(np.abs(prep["v_rep"]), -1, -2))

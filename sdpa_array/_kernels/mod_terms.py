@@ -1,0 +1,286 @@
+"""Mask and bias functions in the kernels: a restriction member and a score term.
+
+``mask_mod`` becomes a :class:`ModMask`, a member of
+:class:`~sdpa_array._kernels.restrictions.Restrictions`, and ``bias_mod`` a
+:class:`ModBias`, a field of :class:`~sdpa_array._kernels.score_terms.ScoreTerms`; both call
+their function on the index arrays of one tile (:class:`ModIndices`), never on the whole
+``(L, S)`` grid unless the tile is the grid (the materialized kernel).
+
+A :class:`ModMask` classifies tiles from block classes (:class:`BlockClasses`): those of a
+:class:`~sdpa_array._block_mask.BlockMask` the caller made, or, for a plain function, those
+the function gives on NumPy indices (:func:`~sdpa_array._block_mask.classify_on_host`),
+computed the first time a planner asks. A function that does not compute on NumPy
+(traced or lazy data, another library's functions) classifies every tile as partial, and
+its tiles are masked by evaluating it in the inputs' library: the results are the same, only
+fewer tiles are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .._block_mask import EMPTY, FULL, HOST_BLOCK, BlockMask, classify_on_host
+from .._compat import stop_gradient
+from .._mod_calls import call_mod, index_grid
+from .._problem import Problem
+from .._typing import Array
+from .restrictions import TileKind
+from .slicing import at_batch
+
+__all__ = ["BlockClasses", "ModBias", "ModIndices", "ModMask", "mod_bias", "mod_mask"]
+
+
+@dataclass(frozen=True)
+class ModIndices:
+    """The ``batch`` and ``head`` index arrays of a (slice of the) kernel layout.
+
+    Attributes
+    ----------
+    batch, head : array
+        Flat batch index and query head index, shaped to broadcast against the kernel
+        layout's batch axes (see :func:`~sdpa_array._mod_calls.index_grid`).
+    shape : tuple of int
+        The kernel batch shape they cover.
+    xp : module
+        The inputs' namespace.
+    device : object
+        The inputs' device.
+    """
+
+    batch: Array
+    head: Array
+    shape: tuple[int, ...]
+    xp: ModuleType
+    device: Any
+
+    def at(self, index: tuple[int, ...]) -> ModIndices:
+        """The indices of the outer batch slice ``index``."""
+        if not index:
+            return self
+        return replace(
+            self,
+            batch=at_batch(self.batch, index),
+            head=at_batch(self.head, index),
+            shape=self.shape[len(index) :],
+        )
+
+    def call(self, name: str, mod: Callable[..., Any], rows: slice, cols: slice) -> Array:
+        """``mod`` on the tile (``rows``, ``cols``), checked (:func:`~._mod_calls.call_mod`),
+        as data (no gradient reaches what it was computed from)."""
+        xp, before = self.xp, (1,) * len(self.shape)
+        q = xp.reshape(xp.arange(rows.start, rows.stop, device=self.device), (*before, -1, 1))
+        kv = xp.reshape(xp.arange(cols.start, cols.stop, device=self.device), (*before, 1, -1))
+        shape = (*self.shape, rows.stop - rows.start, cols.stop - cols.start)
+        return stop_gradient(xp, call_mod(name, mod, (self.batch, self.head, q, kv), shape))
+
+
+def _indices(p: Problem) -> ModIndices:
+    seq = p.sequence_batch
+    heads = p.kernel_batch[len(seq) :]
+    batch, head, _, _ = index_grid(p.xp, p.device, seq, heads, slice(0, 1), slice(0, 1))
+    return ModIndices(batch, head, p.kernel_batch, p.xp, p.device)
+
+
+class BlockClasses:
+    """Block classes of a mask function in the kernel layout, computed on first use.
+
+    ``compute`` returns them as ``(B', H', nq, nk)`` (:class:`~sdpa_array._block_mask.BlockMask`'s
+    ``kinds``) or ``None``; they are placed in the kernel layout (the batch and heads axes
+    whole where the function depends on them, of size 1 otherwise) and, for a batch slice,
+    cut to it. :meth:`reduced` gives what the planners need: whether each block is nonempty
+    for some, and full for every, batch element and head of the slice.
+    """
+
+    def __init__(
+        self,
+        compute: Callable[[], np.ndarray | None],
+        p: Problem,
+        block_q: int,
+        block_k: int,
+        parent: BlockClasses | None = None,
+        index: tuple[int, ...] = (),
+    ) -> None:
+        self._compute, self._p = compute, p
+        self.block_q, self.block_k = block_q, block_k
+        self._parent, self._index = parent, index
+        self._layout: np.ndarray | None = None
+        self._reduced: tuple[np.ndarray, np.ndarray] | None = None
+        self._done = False
+
+    def layout(self) -> np.ndarray | None:
+        """The classes with the kernel layout's batch axes (``None``: not classified)."""
+        if not self._done:
+            if self._parent is not None:
+                whole = self._parent.layout()
+                self._layout = None if whole is None else at_batch(whole, self._index)
+            else:
+                self._layout = self._place(self._compute())
+            self._done = True
+        return self._layout
+
+    def _place(self, kinds: np.ndarray | None) -> np.ndarray | None:
+        if kinds is None:
+            return None
+        p = self._p
+        seq, heads = p.sequence_batch, p.kernel_batch[len(p.sequence_batch) :]
+        b, h = kinds.shape[:2]
+        shape = (
+            *(seq if b != 1 else (1,) * len(seq)),
+            *(heads if h != 1 else (1,) * len(heads)),
+            *kinds.shape[2:],
+        )
+        return np.reshape(kinds, shape)
+
+    def reduced(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(nonempty, full)`` boolean ``(nq, nk)``, over the slice's batch and heads."""
+        if self._reduced is None:
+            kinds = self.layout()
+            if kinds is None:
+                return None
+            flat = np.reshape(kinds, (-1, *kinds.shape[-2:]))
+            self._reduced = (np.any(flat != EMPTY, axis=0), np.all(flat == FULL, axis=0))
+        return self._reduced
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether the classes differ between batch elements (along the sequence axes)."""
+        kinds = self.layout()
+        n = len(self._p.sequence_batch)
+        return kinds is not None and any(m != 1 for m in kinds.shape[:n])
+
+    def at(self, index: tuple[int, ...]) -> BlockClasses:
+        return BlockClasses(self._compute, self._p, self.block_q, self.block_k, self, index)
+
+
+def _span(blocks: np.ndarray, size: int, limit: int) -> tuple[int, int]:
+    """Elements ``[lo, hi)`` covered by the first to the last ``True`` block."""
+    hit = np.flatnonzero(blocks)
+    if not hit.size:
+        return 0, 0
+    return int(hit[0]) * size, min(limit, (int(hit[-1]) + 1) * size)
+
+
+def _longest_run(blocks: np.ndarray, size: int, limit: int) -> tuple[int, int]:
+    """Elements ``[lo, hi)`` of the (first) longest run of consecutive ``True`` blocks."""
+    edges = np.diff(np.concatenate([[0], blocks.astype(np.int8), [0]]))
+    starts, stops = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    if not starts.size:
+        return 0, 0
+    longest = int(np.argmax(stops - starts))
+    return int(starts[longest]) * size, min(limit, int(stops[longest]) * size)
+
+
+@dataclass(frozen=True)
+class ModMask:
+    """``mask_mod`` as a restriction member (see the module docstring)."""
+
+    mod: Callable[..., Any]
+    indices: ModIndices
+    classes: BlockClasses
+    L: int
+    S: int
+
+    @property
+    def per_sequence(self) -> bool:
+        return self.classes.per_sequence
+
+    def _blocks(self, q_start: int, q_stop: int) -> tuple[np.ndarray, np.ndarray] | None:
+        reduced = self.classes.reduced()
+        if reduced is None:
+            return None
+        bq = self.classes.block_q
+        rows = slice(q_start // bq, -(-q_stop // bq))
+        return reduced[0][rows], reduced[1][rows]
+
+    def key_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        blocks = self._blocks(q_start, q_stop)
+        if blocks is None:
+            return 0, self.S
+        return _span(np.any(blocks[0], axis=0), self.classes.block_k, self.S)
+
+    def full_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
+        blocks = self._blocks(q_start, q_stop)
+        if blocks is None or q_start >= q_stop:
+            return 0, 0
+        return _longest_run(np.all(blocks[1], axis=0), self.classes.block_k, self.S)
+
+    def classify(self, rows: slice, cols: slice) -> TileKind:
+        """The tile's class from the blocks it overlaps (partial when not classified).
+
+        The whole grid (the materialized kernel's one tile) is never classified: it is
+        computed whatever its class.
+        """
+        if rows.start == 0 and rows.stop >= self.L and cols.start == 0 and cols.stop >= self.S:
+            return TileKind.PARTIAL
+        blocks = self._blocks(rows.start, rows.stop)
+        if blocks is None:
+            return TileKind.PARTIAL
+        bk = self.classes.block_k
+        span = slice(cols.start // bk, -(-cols.stop // bk))
+        if not np.any(blocks[0][:, span]):
+            return TileKind.EMPTY
+        return TileKind.FULL if np.all(blocks[1][:, span]) else TileKind.PARTIAL
+
+    def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array:
+        return self.indices.call("mask_mod", self.mod, rows, cols)
+
+    def at(self, index: tuple[int, ...]) -> ModMask:
+        if not index:
+            return self
+        return replace(self, indices=self.indices.at(index), classes=self.classes.at(index))
+
+
+@dataclass(frozen=True)
+class ModBias:
+    """``bias_mod`` as a score term: its values on a tile, in the compute dtype."""
+
+    mod: Callable[..., Any]
+    indices: ModIndices
+
+    def tile(self, rows: slice, cols: slice, dtype: Any) -> Array:
+        values = self.indices.call("bias_mod", self.mod, rows, cols)
+        return values if values.dtype == dtype else self.indices.xp.astype(values, dtype)
+
+    def at(self, index: tuple[int, ...]) -> ModBias:
+        return replace(self, indices=self.indices.at(index))
+
+
+def mod_mask(p: Problem) -> ModMask | None:
+    """The :class:`ModMask` of ``p.mask_mod`` (``None`` without one)."""
+    mod = p.mask_mod
+    if mod is None:
+        return None
+    seq = p.sequence_batch
+    heads = p.kernel_batch[len(seq) :]
+    if isinstance(mod, BlockMask):
+        given = mod
+        classes = BlockClasses(lambda: given.kinds, p, given.block_q, given.block_k)
+        function = given.mask_mod
+    else:
+        batch, n_heads = (math.prod(seq),), (math.prod(heads),)
+        classes = BlockClasses(
+            lambda: classify_on_host(mod, batch, n_heads, p.L, p.S), p, HOST_BLOCK, HOST_BLOCK
+        )
+        function = mod
+    return ModMask(function, _indices(p), classes, p.L, p.S)
+
+
+def mod_bias(p: Problem) -> ModBias | None:
+    """The :class:`ModBias` of ``p.bias_mod`` (``None`` without one).
+
+    A bias function with an ``in_dtype(dtype)`` method (the ready-made ones of
+    :mod:`sdpa_array.mods` that compute in floating point) is replaced by what that method
+    returns for the compute dtype: the same bias computed in that dtype, so that no tile is
+    computed in float64 and cast down.
+    """
+    mod = p.bias_mod
+    if mod is None:
+        return None
+    in_dtype = getattr(mod, "in_dtype", None)
+    return ModBias(mod if in_dtype is None else in_dtype(p.compute_dtype), _indices(p))

@@ -1,0 +1,121 @@
+"""``mask_mod`` and ``bias_mod``: restrictions and scores given as functions of the indices.
+
+A mod is called once, on the full grid of indices, with four integer arrays of the query's
+own library and device (``array_api_compat.array_namespace(query)``; NumPy when the query is
+not an array, e.g. a nested list) that broadcast together to the scores' shape
+``(*batch, Hq, L, S)`` (``(L, S)`` for inputs without a heads axis):
+
+* ``batch``: the row-major (flattened) index of the batch element, shape
+  ``(*batch, 1, 1, 1)``; zeros when there are no batch axes, and a 0-d zero when there is
+  no heads axis either;
+* ``head``: the query head, shape ``(Hq, 1, 1)``; a 0-d zero without a heads axis;
+* ``q_idx``: the query, shape ``(L, 1)``;
+* ``kv_idx``: the key, shape ``(S,)``.
+
+Here ``batch`` is the oracle's batch shape (the broadcast leading axes of ``query``,
+``key`` and ``value`` without the heads axis) and ``Hq`` the broadcast heads axis (the query
+heads, with GQA). The result is read with :func:`to_numpy`, checked (boolean for
+``mask_mod``, real floating for ``bias_mod``, read as float64; its shape must broadcast to
+the scores' shape) and broadcast to the scores' shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+from ._convert import to_numpy
+
+__all__ = ["check_mods", "evaluate_mod", "index_grids"]
+
+
+def check_mods(mask_mod: Any, bias_mod: Any) -> None:
+    """``TypeError`` if a mod is given but is not callable."""
+    for name, fn in (("mask_mod", mask_mod), ("bias_mod", bias_mod)):
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"{name} must be callable as {name}(batch, head, q_idx, kv_idx), "
+                f"got {type(fn).__name__}"
+            )
+
+
+def index_grids(query: Any, lead: tuple[int, ...], L: int, S: int) -> tuple[Any, ...]:
+    """The four index arrays ``(batch, head, q_idx, kv_idx)`` a mod is called with.
+
+    ``lead`` is the scores' shape less ``(L, S)``: ``(*batch, Hq)``, or ``()`` for inputs
+    without a heads axis.
+
+    Examples
+    --------
+    >>> b, h, i, j = index_grids(np.zeros((3, 2)), (2, 3, 4), 3, 5)
+    >>> b.shape, h.shape, i.shape, j.shape
+    ((2, 3, 1, 1, 1), (4, 1, 1), (3, 1), (5,))
+    >>> b.reshape(2, 3).tolist()
+    [[0, 1, 2], [3, 4, 5]]
+    """
+    if not array_api_compat.is_array_api_obj(query):
+        query = np.asarray(query)
+    xp = array_api_compat.array_namespace(query)
+    device = array_api_compat.device(query)
+
+    def arange(n: int, shape: tuple[int, ...]) -> Any:
+        return xp.reshape(xp.arange(n, device=device), shape)
+
+    q_idx = arange(L, (L, 1))
+    kv_idx = arange(S, (S,))
+    if not lead:  # no heads axis (and so no batch axes): the scores are (L, S)
+        return arange(1, ()), arange(1, ()), q_idx, kv_idx
+    batch, heads = lead[:-1], lead[-1]
+    return arange(math.prod(batch), (*batch, 1, 1, 1)), arange(heads, (heads, 1, 1)), q_idx, kv_idx
+
+
+def evaluate_mod(
+    name: str, fn: Callable[..., Any], grids: tuple[Any, ...], shape: tuple[int, ...]
+) -> np.ndarray:
+    """Call ``fn`` (``mask_mod`` or ``bias_mod``, named by ``name``) on ``grids`` once.
+
+    Returns its result as NumPy, broadcast to the scores' ``shape``: boolean for
+    ``mask_mod``, float64 for ``bias_mod``.
+
+    Raises
+    ------
+    ValueError
+        If the mod raises (chained to its exception), or its result does not broadcast to
+        ``shape``.
+    TypeError
+        If the result is not boolean (``mask_mod``) or real floating (``bias_mod``).
+    """
+    try:
+        result = fn(*grids)
+    except Exception as exc:
+        raise ValueError(f"{name} raised {type(exc).__name__}: {exc}") from exc
+    try:
+        array = to_numpy(result)  # computes lazy (Dask) results: their errors show here
+    except Exception as exc:
+        raise ValueError(
+            f"{name}'s result ({type(result).__name__}) could not be read: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if name == "mask_mod":
+        if array.dtype != np.bool_:
+            raise TypeError(
+                f"mask_mod must return booleans (True = may attend), got dtype {array.dtype}"
+            )
+    elif array.dtype.kind != "f":
+        raise TypeError(f"bias_mod must return a real floating array, got dtype {array.dtype}")
+    else:
+        array = array.astype(np.float64)
+    try:
+        fits = np.broadcast_shapes(array.shape, shape) == tuple(shape)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"{name} returned shape {array.shape}, which does not broadcast to the scores' "
+            f"shape {tuple(shape)}"
+        )
+    return np.broadcast_to(array, shape)
