@@ -135,6 +135,8 @@ def _feature_inputs(q_shape, k_shape, v_shape, options, mask_shape, bias_shape):
 CASE_FIELDS = ("q_shape", "k_shape", "v_shape", "options", "mask_shape", "bias_shape")
 
 
+# the feature matrix of the generic kernels; on JAX and Dask in `nox -s tests-slow`
+@pytest.mark.slow_on("jax", "dask")
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize(CASE_FIELDS, [c[1:-1] for c in CASES], ids=[c[0] for c in CASES])
 def test_feature_matches_oracle(

@@ -22,6 +22,12 @@ from sdpa_array._problem import validate
 from tests.conftest import SHAPE_COMPILING_LIBRARIES
 from tests.helpers import check_against_oracle
 
+#: The generic kernels' numerics, the same code as on NumPy, torch and array-api-strict (the
+#: default sessions); on JAX (a compilation per new shape) and Dask (a graph per call) they
+#: run in `nox -s tests-slow`, which CI runs. JAX's and Dask's own paths (autodiff, jit, the
+#: Dask graph) are tested by default in test_autograd, test_compositions and test_dask_graph.
+pytestmark = pytest.mark.slow_on("jax", "dask")
+
 
 def randn(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return rng.standard_normal(shape)

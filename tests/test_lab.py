@@ -11,6 +11,9 @@ import pytest
 from sdpa_array import lab, reference
 from sdpa_array.testing.backends import Backend
 
+#: The lab's experiments on JAX compile every new shape: they run in `nox -s tests-slow`.
+pytestmark = pytest.mark.slow_on("jax")
+
 
 def _softmax_rows(s: np.ndarray) -> np.ndarray:
     """Softmax over the last axis, in NumPy, independent of the code under test."""

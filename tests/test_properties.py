@@ -132,6 +132,7 @@ def _check_random_call(backend, data, sizes: Sizes) -> None:
     np.testing.assert_allclose(w[~empty].sum(axis=-1), 1.0, atol=tol)
 
 
+@pytest.mark.slow_on("jax", "dask")  # random shapes: a compilation or a graph per example
 @given(data=st.data())
 def test_random_calls_match_oracle(backend, data):
     """Random calls; on libraries that compile per shape, with sizes from a few."""

@@ -39,6 +39,12 @@ from tests.helpers import (
     vjp_oracle_and_bounds,
 )
 
+#: The generic kernels' numerics, the same code as on NumPy, torch and array-api-strict (the
+#: default sessions); on JAX (a compilation per new shape) and Dask (a graph per call) they
+#: run in `nox -s tests-slow`, which CI runs. JAX's and Dask's own paths (autodiff, jit, the
+#: Dask graph) are tested by default in test_autograd, test_compositions and test_dask_graph.
+pytestmark = pytest.mark.slow_on("jax", "dask")
+
 #: (implementation, block sizes): the blocked path with its default blocks holds whole rows
 #: in one tile (softmax of the tile); with 3 x 4 blocks it needs several tiles per row in
 #: most cases, runs the blocked forward pass and recomputes ``P`` from the log-sum-exp.
