@@ -13,7 +13,6 @@ computes on NumPy indices (:func:`classify_on_host`), and masks tile by tile oth
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ._mod_calls import call_mod, check_mod_callable, index_grid
+from ._mods_data import check_index
 from ._typing import Array
 
 __all__ = ["BLOCK_MASK_BLOCK", "HOST_BLOCK", "BlockMask", "classify_on_host", "create_block_mask"]
@@ -105,20 +105,6 @@ class BlockMask:
 
 
 _NAMES = {"empty": EMPTY, "partial": PARTIAL, "full": FULL}
-
-
-def _size(name: str, value: Any, *, optional: bool = False, positive: bool = True) -> Any:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-    if n < (1 if positive else 0):
-        raise ValueError(f"{name} must be {'positive' if positive else 'non-negative'}, got {n}")
-    return n
 
 
 def _reduce_blocks(chunk: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
@@ -227,12 +213,11 @@ def create_block_mask(
     check_mod_callable("mask_mod", mask_mod)
     if isinstance(mask_mod, BlockMask):
         mask_mod = mask_mod.mask_mod
-    b = _size("batch_size", batch_size, optional=True)
-    h = _size("heads", heads, optional=True)
-    n_q = _size("L", L, positive=False)
-    n_k = _size("S", S, positive=False)
-    bq = _size("block_q", BLOCK_MASK_BLOCK if block_q is None else block_q)
-    bk = _size("block_k", BLOCK_MASK_BLOCK if block_k is None else block_k)
+    b = None if batch_size is None else check_index("batch_size", batch_size, minimum=1)
+    h = None if heads is None else check_index("heads", heads, minimum=1)
+    n_q, n_k = check_index("L", L, minimum=0), check_index("S", S, minimum=0)
+    bq = check_index("block_q", BLOCK_MASK_BLOCK if block_q is None else block_q, minimum=1)
+    bk = check_index("block_k", BLOCK_MASK_BLOCK if block_k is None else block_k, minimum=1)
     if n_q == 0 or n_k == 0:
         kinds = np.zeros((1, 1, -(-n_q // bq), -(-n_k // bk)), dtype=np.int8)
     else:

@@ -513,9 +513,9 @@ def test_mod_of_another_library_raises(non_numpy_backend):
 
 def test_create_block_mask_rejects_bad_arguments():
     causal = mods.causal()
-    with pytest.raises(ValueError, match="block_q must be positive"):
+    with pytest.raises(ValueError, match="block_q must be at least 1"):
         create_block_mask(causal, 1, 1, 4, 4, block_q=0)
-    with pytest.raises(TypeError, match="heads must be an int"):
+    with pytest.raises(TypeError, match="heads must be an integer"):
         create_block_mask(causal, 1, 2.0, 4, 4)
     with pytest.raises(ValueError, match=r"mask_mod .* raised"):
         create_block_mask(_raises, 1, 1, 4, 4)
