@@ -52,12 +52,15 @@ def check_mods(
     seq, heads = batch_shape[:-1], batch_shape[-1:]
     if isinstance(mask_mod, BlockMask):
         _check_block_mask(mask_mod, math.prod(seq), math.prod(heads), L, S)
-    for name, mod in (("mask_mod", mask_mod), ("bias_mod", bias_mod)):
+    named = (("mask_mod", mask_mod), ("bias_mod", bias_mod))
+    for name, mod in named:
         check_mod_callable(name, mod)
-        if isinstance(mod, BlockMask) and name == "bias_mod":
-            raise TypeError("bias_mod must be a bias function, got a BlockMask (a mask_mod)")
-        if mod is None:
-            continue
-        probe = index_grid(xp, device, (1,) * len(seq), (1,) * len(heads), slice(0, 1), slice(0, 1))
-        call_mod(name, mod, probe, (1,) * (len(batch_shape) + 2))
+    if isinstance(bias_mod, BlockMask):
+        raise TypeError("bias_mod must be a bias function, got a BlockMask (a mask_mod)")
+    if mask_mod is None and bias_mod is None:
+        return mask_mod, bias_mod
+    probe = index_grid(xp, device, (1,) * len(seq), (1,) * len(heads), slice(0, 1), slice(0, 1))
+    for name, mod in named:
+        if mod is not None:
+            call_mod(name, mod, probe, (1,) * (len(batch_shape) + 2))
     return mask_mod, bias_mod

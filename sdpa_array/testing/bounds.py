@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from .. import reference
+from ..reference._mods import evaluate_mod, index_grids
 
 __all__ = [
     "UNIT_ROUNDOFF",
@@ -113,16 +114,13 @@ def score_error(
 def mod_bias_extent(bias_mod: Any, score_shape: tuple[int, ...]) -> float:
     """Largest finite ``|bias_mod|`` over the scores of ``score_shape`` (0 without one).
 
-    The function is called on NumPy index arrays as the oracle calls it: ``batch`` the flat
-    index of the axes before the heads axis (-3), ``head`` that axis, then the positions.
+    The function is evaluated by the oracle's own code, on NumPy index arrays.
     """
     if bias_mod is None or 0 in score_shape:
         return 0.0
-    batch, (H, L, S) = score_shape[:-3], (1, *score_shape)[-3:]
-    flat = np.reshape(np.arange(int(np.prod(batch))), (*batch, 1, 1, 1))
-    values = reference.to_numpy(
-        bias_mod(flat, np.arange(H)[:, None, None], np.arange(L)[:, None], np.arange(S))
-    ).astype(np.float64)
+    shape = tuple(score_shape)
+    grids = index_grids(np.empty(0), shape[:-2], *shape[-2:])
+    values = evaluate_mod("bias_mod", bias_mod, grids, shape)
     finite = np.abs(values[np.isfinite(values)])
     return float(np.max(finite)) if finite.size else 0.0
 
