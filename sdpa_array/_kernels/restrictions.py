@@ -72,14 +72,19 @@ class Restriction(Protocol):
     # the tile plan, and ``classify`` says which tiles inside them are empty or full.
 
 
-def _member_kind(m: Restriction, rows: slice, cols: slice) -> TileKind:
+def _member_kind(
+    m: Restriction, rows: slice, cols: slice, key: tuple[int, int] | None = None
+) -> TileKind:
     """How one member covers a tile: its own :meth:`classify` where it has one (a member
-    whose admissible keys are not one range per query block), else from its two ranges."""
+    whose admissible keys are not one range per query block), else from its two ranges
+    (``key``: its key range of ``rows``, when the caller has it already)."""
     own = getattr(m, "classify", None)
     if own is not None:
         kind: TileKind = own(rows, cols)
         return kind
-    return _classify(m.key_range(rows.start, rows.stop), m.full_range(rows.start, rows.stop), cols)
+    if key is None:
+        key = m.key_range(rows.start, rows.stop)
+    return _classify(key, m.full_range(rows.start, rows.stop), cols)
 
 
 def _classify(key: tuple[int, int], full: tuple[int, int], cols: slice) -> TileKind:
@@ -239,10 +244,14 @@ class Restrictions:
         Empty when the members' key ranges do not meet inside the tile or one member finds
         it empty; full when every member finds it full.
         """
-        lo, hi = self.key_range(rows.start, rows.stop)
+        keys = [m.key_range(rows.start, rows.stop) for m in self.members]
+        lo = max([0, *(k[0] for k in keys)])
+        hi = min([self.S, *(k[1] for k in keys)])
         if max(lo, cols.start) >= min(hi, cols.stop):
             return TileKind.EMPTY
-        kinds = {_member_kind(m, rows, cols) for m in self.members}
+        kinds = {
+            _member_kind(m, rows, cols, key) for m, key in zip(self.members, keys, strict=True)
+        }
         if TileKind.EMPTY in kinds:
             return TileKind.EMPTY
         return TileKind.PARTIAL if TileKind.PARTIAL in kinds else TileKind.FULL
