@@ -455,3 +455,22 @@ def test_pool_only_for_numpy(backend, monkeypatch):
         assert threading.get_ident() not in threads
     else:
         assert threads == {threading.get_ident()}, xp.__name__
+
+
+def test_where_columns_changes_only_its_columns(backend):
+    """``inplace.where_columns`` replaces the masked entries of its columns by ``fill`` and
+    keeps everything else, in place or not; a condition with more batch elements than the
+    scores broadcasts them."""
+    from sdpa_array._kernels import inplace
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 4, 6)).astype(np.float32)
+    for cond in (rng.random((4, 3)) < 0.5, rng.random((2, 4, 3)) < 0.5):
+        lead = np.broadcast_shapes(x.shape[:-1], cond.shape[:-1])
+        expected = np.broadcast_to(x, (*lead, 6)).copy()
+        expected[..., 2:5] = np.where(cond, expected[..., 2:5], -np.inf)
+        xb = backend.asarray(x.copy(), "float32")
+        xp = array_namespace({"x": xb})
+        fill = xp.asarray(-np.inf, dtype=xb.dtype)
+        got = inplace.where_columns(xp, xb, slice(2, 5), backend.asarray(cond), fill)
+        np.testing.assert_array_equal(reference.to_numpy(got), expected)

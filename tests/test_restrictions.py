@@ -137,3 +137,23 @@ def test_dense_mask_is_partial_and_sliced_per_batch():
         r.at((1,)).tile_mask(np, "cpu", slice(1, 3), slice(0, 2)), mask[1]
     )
     assert Restrictions((), 3, 2).tile_mask(np, "cpu", slice(0, 3), slice(0, 2)) is None
+
+
+@given(band_args, tiles)
+def test_partial_columns_leave_out_only_full_columns(args, tile):
+    """Columns of a tile outside ``partial_columns`` are admissible for every row of it, and
+    it is a run at one end of the tile, or the whole tile."""
+    L, S = args[:2]
+    grid = _grid(*args)
+    r = Restrictions((_band(*args),), L, S)
+    q0, nq, k0, nk = tile
+    rows = slice(min(q0, L - 1), min(q0 + nq, L))
+    cols = slice(min(k0, S - 1), min(k0 + nk, S))
+    part = r.partial_columns(rows, cols)
+    assert cols.start <= part.start <= part.stop <= cols.stop
+    assert part.start == cols.start or part.stop == cols.stop
+    kept = np.ones(S, dtype=bool)
+    kept[: cols.start] = kept[cols.stop :] = kept[part] = False
+    assert grid[rows, kept].all()
+    if r.classify(rows, cols) is TileKind.FULL:
+        assert part.start == part.stop

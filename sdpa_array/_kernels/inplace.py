@@ -6,17 +6,20 @@ rebinds. A torch tensor that takes part in autograd must not be changed in place
 values saved for its backward pass would change), nor can a tensor combined with one that a
 ``torch.func`` transform wraps (under ``vmap`` the other operand may hold more elements than
 it shows), and a read-only NumPy array cannot be.
-The kernels call :func:`add`, :func:`subtract` and :func:`multiply` on arrays they created
-themselves.
+The kernels call :func:`add`, :func:`subtract`, :func:`multiply` and :func:`where_columns`
+on arrays they created themselves.
 """
 
 from __future__ import annotations
 
 import sys
+from types import ModuleType
+
+from array_api_compat import is_writeable_array
 
 from .._typing import Array
 
-__all__ = ["add", "multiply", "subtract"]
+__all__ = ["add", "multiply", "subtract", "where_columns"]
 
 
 def _functorch_wrapped(a: Array) -> bool:
@@ -32,6 +35,11 @@ def _in_place(x: Array, y: Array) -> bool:
     xs, ys = tuple(x.shape), tuple(getattr(y, "shape", ()))
     if len(ys) > len(xs) or any(b not in (1, a) for a, b in zip(xs[::-1], ys[::-1], strict=False)):
         return False
+    return _writable(x, y)
+
+
+def _writable(x: Array, y: Array) -> bool:
+    """Whether ``x`` may be changed in place with values computed from ``y``."""
     if getattr(x, "requires_grad", False) or getattr(y, "requires_grad", False):
         return False
     if _functorch_wrapped(x) or _functorch_wrapped(y):
@@ -62,3 +70,20 @@ def multiply(x: Array, y: Array) -> Array:
         x *= y
         return x
     return x * y
+
+
+def where_columns(xp: ModuleType, x: Array, cols: slice, cond: Array, fill: Array) -> Array:
+    """``x`` whose columns ``cols`` (last axis, a slice of ``x``'s own indices) hold
+    ``where(cond, x[..., cols], fill)``; the other columns are kept as they are.
+
+    Written into ``x`` where that is allowed (the library writes through slices and ``x``
+    keeps its shape), else put together anew; use the returned array.
+    """
+    part = xp.where(cond, x[..., cols], fill)
+    if part.shape == x[..., cols].shape and _writable(x, part) and is_writeable_array(x):
+        x[..., cols] = part
+        return x
+    lead = tuple(part.shape[:-1])
+    pieces = [x[..., : cols.start], part, x[..., cols.stop :]]
+    shaped = [xp.broadcast_to(a, (*lead, int(a.shape[-1]))) for a in pieces]
+    return xp.concat(shaped, axis=-1)

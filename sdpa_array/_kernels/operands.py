@@ -25,6 +25,7 @@ from typing import Any
 
 from .._problem import Inputs, Problem
 from .._typing import Array
+from . import inplace
 from .dropout import Dropout, key_grid
 from .layout import (
     at_batch,
@@ -168,7 +169,16 @@ def tile_scores(
     xp = p.xp
     raw = xp.matmul(q_rows, xp.matrix_transpose(ops.k[..., cols, :]))
     s, factor = ops.terms.apply(xp, raw, rows, cols, need_factor=need_factor)
-    allowed = ops.restrictions.tile_mask(xp, p.device, rows, cols)
+    # columns that every query of the tile may attend keep their scores without a mask
+    masked = ops.restrictions.partial_columns(rows, cols)
+    allowed = None
+    if masked.start < masked.stop:
+        allowed = ops.restrictions.tile_mask(xp, p.device, rows, masked)
     if allowed is not None:
-        s = xp.where(allowed, s, xp.asarray(-math.inf, dtype=s.dtype, device=p.device))
+        excluded = xp.asarray(-math.inf, dtype=s.dtype, device=p.device)
+        if masked == cols:
+            s = xp.where(allowed, s, excluded)
+        else:
+            within = slice(masked.start - cols.start, masked.stop - cols.start)
+            s = inplace.where_columns(xp, s, within, allowed, excluded)
     return s, factor

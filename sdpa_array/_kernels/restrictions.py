@@ -158,15 +158,18 @@ class Band:
     ) -> Array:
         """The tile's mask with the diagonal at ``i + offset`` (an int, or an array of
         per-sequence offsets shaped to broadcast against the tile)."""
-        row = xp.arange(rows.start, rows.stop, device=device)[:, None]
+        # one comparison of the key indices with each row's bound per side: the only
+        # tile-sized arrays are the booleans
+        diag = xp.arange(rows.start, rows.stop, device=device)[:, None] + offset
         col = xp.arange(cols.start, cols.stop, device=device)[None, :]
-        rel = col - row - offset  # j - diag(i)
         upper = self._upper()
-        below = None if upper is None else rel <= upper
+        below = None if upper is None else col <= diag + upper
         if self.left is None:
             # a full-width tile is never asked for (Restrictions skips FULL tiles)
-            return below if below is not None else xp.ones(rel.shape, dtype=xp.bool)
-        above = rel >= -self.left
+            if below is None:
+                return xp.ones((*diag.shape[:-1], cols.stop - cols.start), dtype=xp.bool)
+            return below
+        above = col >= diag - self.left
         return above if below is None else xp.logical_and(below, above)
 
     def at(self, index: tuple[int, ...]) -> Band:
@@ -255,6 +258,24 @@ class Restrictions:
         if TileKind.EMPTY in kinds:
             return TileKind.EMPTY
         return TileKind.PARTIAL if TileKind.PARTIAL in kinds else TileKind.FULL
+
+    def partial_columns(self, rows: slice, cols: slice) -> slice:
+        """The tile's columns that may need a mask: ``cols`` without a run of full columns
+        at either end.
+
+        Keys that every query of ``rows`` may attend (:meth:`full_range`) need no mask; when
+        they cover one end of the tile, the rest of it is returned (empty when they cover
+        all of it), else the whole tile.
+        """
+        lo, hi = self.full_range(rows.start, rows.stop)
+        a, b = max(lo, cols.start), min(hi, cols.stop)
+        if a >= b:
+            return cols
+        if a == cols.start:
+            return slice(b, cols.stop)
+        if b == cols.stop:
+            return slice(cols.start, a)
+        return cols
 
     def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array | None:
         """Boolean mask of a tile, or ``None`` when every pair of the tile is admissible.
