@@ -24,7 +24,7 @@ from .layout import broadcast_if_needed, concat, ungroup
 from .materialized import materialized_attention
 from .operands import Operands, prepare, tile_scores
 from .parallel import map_blocks
-from .softmax import exp_shift, log_sum_exp, safe_reciprocal
+from .softmax import exp_shift, log_sum_exp, row_sum, safe_reciprocal
 from .tiling import TILE_BYTES, QueryBlock, batch_slices, choose_block_sizes, plan_blocks
 
 __all__ = ["blocked_attention"]
@@ -62,7 +62,7 @@ def _query_block(
         new_ref = exp_shift(p, new_max)
         e = xp.exp(inplace.subtract(s, new_ref))
         del s
-        tile_total = xp.sum(e, axis=-1, keepdims=True)
+        tile_total = row_sum(p, e)
         if ops.dropout is not None:  # dropped after the softmax; 1 / (1 - p) comes last
             e = ops.dropout.tile(xp, e, rows, cols, p.device, scaled=False)
         tile_out = xp.matmul(e, ops.v[..., cols, :])

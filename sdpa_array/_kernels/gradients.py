@@ -41,7 +41,7 @@ from .layout import merge_groups
 from .operands import Operands, prepare, prepare_rows, tile_scores
 from .score_terms import ScoreTerms
 from .slicing import at_batch
-from .softmax import exp_shift, safe_reciprocal
+from .softmax import exp_shift, row_sum, safe_reciprocal
 
 __all__ = [
     "BackwardOperands",
@@ -181,7 +181,7 @@ def _probabilities(p: Problem, terms: ScoreTerms, s: Array, lse_rows: Array) -> 
         return xp.exp(inplace.subtract(s, lse_rows)), None
     ref = exp_shift(p, terms.row_max(xp, xp.max(s, axis=-1, keepdims=True)))
     prob = xp.exp(inplace.subtract(s, ref))
-    total = xp.sum(prob, axis=-1, keepdims=True)
+    total = row_sum(p, prob)
     sink = terms.sink_total(xp, ref)
     if sink is not None:
         total = total + sink

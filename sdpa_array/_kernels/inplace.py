@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-from array_api_compat import is_writeable_array
+from array_api_compat import is_cupy_array, is_numpy_array, is_torch_array, is_writeable_array
 
 from .._typing import Array
 
@@ -72,17 +72,40 @@ def multiply(x: Array, y: Array) -> Array:
     return x * y
 
 
+def _broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The broadcast shape of ``a`` and ``b``, or ``None`` when they do not broadcast."""
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
+    if any(x != y and 1 not in (x, y) for x, y in zip(a, b, strict=True)):
+        return None
+    return tuple(max(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _slices_are_views(x: Array) -> bool:
+    """Whether a basic slice of ``x`` writes through to ``x`` (NumPy, CuPy, torch)."""
+    return bool(is_numpy_array(x) or is_cupy_array(x) or is_torch_array(x))
+
+
 def where_columns(xp: ModuleType, x: Array, cols: slice, cond: Array, fill: Array) -> Array:
     """``x`` whose columns ``cols`` (last axis, a slice of ``x``'s own indices) hold
     ``where(cond, x[..., cols], fill)``; the other columns are kept as they are.
 
-    Written into ``x`` where that is allowed (the library writes through slices and ``x``
-    keeps its shape), else put together anew; use the returned array.
+    Written into ``x`` where that is allowed (the library writes through indexing and
+    ``x`` keeps its shape): through a boolean index of the columns' view where slices are
+    views (the fastest on NumPy: no temporary of the columns), else by assigning the
+    ``where``; otherwise put together anew. Use the returned array.
     """
-    part = xp.where(cond, x[..., cols], fill)
-    if part.shape == x[..., cols].shape and _writable(x, part) and is_writeable_array(x):
-        x[..., cols] = part
+    view = x[..., cols]
+    shape = _broadcast_shape(tuple(cond.shape), tuple(view.shape))
+    if shape == tuple(view.shape) and _writable(x, cond) and is_writeable_array(x):
+        if _slices_are_views(x):
+            view[xp.logical_not(xp.broadcast_to(cond, shape))] = fill
+        else:
+            x[..., cols] = xp.where(cond, view, fill)
         return x
+    part = xp.where(cond, view, fill)
+    if cols.start == 0 and cols.stop >= x.shape[-1]:
+        return part
     lead = tuple(part.shape[:-1])
     pieces = [x[..., : cols.start], part, x[..., cols.stop :]]
     shaped = [xp.broadcast_to(a, (*lead, int(a.shape[-1]))) for a in pieces]

@@ -176,9 +176,6 @@ def tile_scores(
         allowed = ops.restrictions.tile_mask(xp, p.device, rows, masked)
     if allowed is not None:
         excluded = xp.asarray(-math.inf, dtype=s.dtype, device=p.device)
-        if masked == cols:
-            s = xp.where(allowed, s, excluded)
-        else:
-            within = slice(masked.start - cols.start, masked.stop - cols.start)
-            s = inplace.where_columns(xp, s, within, allowed, excluded)
+        within = slice(masked.start - cols.start, masked.stop - cols.start)
+        s = inplace.where_columns(xp, s, within, allowed, excluded)
     return s, factor

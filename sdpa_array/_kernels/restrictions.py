@@ -159,9 +159,12 @@ class Band:
         """The tile's mask with the diagonal at ``i + offset`` (an int, or an array of
         per-sequence offsets shaped to broadcast against the tile)."""
         # one comparison of the key indices with each row's bound per side: the only
-        # tile-sized arrays are the booleans
-        diag = xp.arange(rows.start, rows.stop, device=device)[:, None] + offset
-        col = xp.arange(cols.start, cols.stop, device=device)[None, :]
+        # tile-sized arrays are the booleans; int32 (positions stay far below 2**31)
+        # compares several times faster than int64 on NumPy
+        i32 = xp.int32
+        diag = xp.arange(rows.start, rows.stop, dtype=i32, device=device)[:, None] + offset
+        diag = xp.astype(diag, i32, copy=False)
+        col = xp.arange(cols.start, cols.stop, dtype=i32, device=device)[None, :]
         upper = self._upper()
         below = None if upper is None else col <= diag + upper
         if self.left is None:
