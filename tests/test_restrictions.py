@@ -42,6 +42,15 @@ def _kind(block: np.ndarray) -> TileKind:
     return TileKind.FULL if block.all() else TileKind.PARTIAL
 
 
+def _band_tile(args, tile):
+    """The admissible grid, the band's restrictions and the tile's rows and columns."""
+    L, S = args[:2]
+    q0, nq, k0, nk = tile
+    rows = slice(min(q0, L - 1), min(q0 + nq, L))
+    cols = slice(min(k0, S - 1), min(k0 + nk, S))
+    return _grid(*args), Restrictions((_band(*args),), L, S), rows, cols
+
+
 band_args = st.tuples(lengths, lengths, st.booleans(), sides, sides, st.booleans())
 tiles = st.tuples(st.integers(0, 23), st.integers(1, 8), st.integers(0, 23), st.integers(1, 8))
 
@@ -49,12 +58,7 @@ tiles = st.tuples(st.integers(0, 23), st.integers(1, 8), st.integers(0, 23), st.
 @given(band_args, tiles)
 def test_band_classifies_exactly(args, tile):
     """For the band (causal/window) the classification is exact, not only conservative."""
-    L, S = args[:2]
-    grid = _grid(*args)
-    r = Restrictions((_band(*args),), L, S)
-    q0, nq, k0, nk = tile
-    rows = slice(min(q0, L - 1), min(q0 + nq, L))
-    cols = slice(min(k0, S - 1), min(k0 + nk, S))
+    grid, r, rows, cols = _band_tile(args, tile)
     assert r.classify(rows, cols) is _kind(grid[rows, cols])
     mask = r.tile_mask(np, "cpu", rows, cols)
     if r.classify(rows, cols) is TileKind.FULL:
@@ -143,16 +147,11 @@ def test_dense_mask_is_partial_and_sliced_per_batch():
 def test_partial_columns_leave_out_only_full_columns(args, tile):
     """Columns of a tile outside ``partial_columns`` are admissible for every row of it, and
     it is a run at one end of the tile, or the whole tile."""
-    L, S = args[:2]
-    grid = _grid(*args)
-    r = Restrictions((_band(*args),), L, S)
-    q0, nq, k0, nk = tile
-    rows = slice(min(q0, L - 1), min(q0 + nq, L))
-    cols = slice(min(k0, S - 1), min(k0 + nk, S))
+    grid, r, rows, cols = _band_tile(args, tile)
     part = r.partial_columns(rows, cols)
     assert cols.start <= part.start <= part.stop <= cols.stop
     assert part.start == cols.start or part.stop == cols.stop
-    kept = np.ones(S, dtype=bool)
+    kept = np.ones(grid.shape[-1], dtype=bool)
     kept[: cols.start] = kept[cols.stop :] = kept[part] = False
     assert grid[rows, kept].all()
     if r.classify(rows, cols) is TileKind.FULL:
