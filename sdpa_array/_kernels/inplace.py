@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-from array_api_compat import is_cupy_array, is_numpy_array, is_torch_array, is_writeable_array
+from array_api_compat import is_numpy_array, is_writeable_array
 
 from .._typing import Array
 
@@ -81,9 +81,11 @@ def _broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] 
     return tuple(max(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _slices_are_views(x: Array) -> bool:
-    """Whether a basic slice of ``x`` writes through to ``x`` (NumPy, CuPy, torch)."""
-    return bool(is_numpy_array(x) or is_cupy_array(x) or is_torch_array(x))
+def _fill_through_view(x: Array) -> bool:
+    """Whether to fill through a boolean index of a slice's view: NumPy, whose slices are
+    views and whose boolean fill needs no temporary (a boolean index on a GPU library
+    would wait for the device to count the entries)."""
+    return bool(is_numpy_array(x))
 
 
 def where_columns(xp: ModuleType, x: Array, cols: slice, cond: Array, fill: Array) -> Array:
@@ -91,14 +93,14 @@ def where_columns(xp: ModuleType, x: Array, cols: slice, cond: Array, fill: Arra
     ``where(cond, x[..., cols], fill)``; the other columns are kept as they are.
 
     Written into ``x`` where that is allowed (the library writes through indexing and
-    ``x`` keeps its shape): through a boolean index of the columns' view where slices are
-    views (the fastest on NumPy: no temporary of the columns), else by assigning the
-    ``where``; otherwise put together anew. Use the returned array.
+    ``x`` keeps its shape): on NumPy through a boolean index of the columns' view (no
+    temporary of the columns), else by assigning the ``where``; otherwise put together
+    anew. Use the returned array.
     """
     view = x[..., cols]
     shape = _broadcast_shape(tuple(cond.shape), tuple(view.shape))
     if shape == tuple(view.shape) and _writable(x, cond) and is_writeable_array(x):
-        if _slices_are_views(x):
+        if _fill_through_view(x):
             view[xp.logical_not(xp.broadcast_to(cond, shape))] = fill
         else:
             x[..., cols] = xp.where(cond, view, fill)
