@@ -1,9 +1,11 @@
 """Updates in place where the array allows it: the one place that decides.
 
 NumPy, CuPy, array-api-strict and torch (outside autograd) update an array in place, which
-saves a temporary per tile; JAX and Dask arrays are immutable, and their ``x -= y`` already
-rebinds. A torch tensor that takes part in autograd must not be changed in place (the
-values saved for its backward pass would change), nor can a tensor combined with one that a
+saves a temporary per tile; JAX arrays are immutable (array-api-compat's
+``is_writeable_array`` says so, as it does for a read-only NumPy array) and get a new array,
+and a Dask array's ``x -= y`` builds a new lazy array. A torch tensor that takes part in
+autograd must not be changed in place (the values saved for its backward pass would change),
+nor can a tensor combined with one that a
 ``torch.func`` transform wraps (under ``vmap`` the other operand may hold more elements than
 it shows), and a read-only NumPy array cannot be.
 The kernels call :func:`add`, :func:`subtract`, :func:`multiply` and :func:`where_columns`
@@ -44,8 +46,7 @@ def _writable(x: Array, y: Array) -> bool:
         return False
     if _functorch_wrapped(x) or _functorch_wrapped(y):
         return False
-    flags = getattr(x, "flags", None)
-    return flags is None or bool(getattr(flags, "writeable", True))
+    return bool(is_writeable_array(x))  # False for read-only NumPy arrays and for JAX
 
 
 def add(x: Array, y: Array) -> Array:
@@ -99,7 +100,7 @@ def where_columns(xp: ModuleType, x: Array, cols: slice, cond: Array, fill: Arra
     """
     view = x[..., cols]
     shape = _broadcast_shape(tuple(cond.shape), tuple(view.shape))
-    if shape == tuple(view.shape) and _writable(x, cond) and is_writeable_array(x):
+    if shape == tuple(view.shape) and _writable(x, cond):
         if _fill_through_view(x):
             view[xp.logical_not(xp.broadcast_to(cond, shape))] = fill
         else:
