@@ -83,12 +83,15 @@ def scaled_dot_product_attention_vjp(
     query_lengths, key_lengths, segment_ids, mask_mod, bias_mod
         As for :func:`scaled_dot_product_attention`; they have no gradient, and padded
         queries and excluded keys get gradients of exactly zero.
-    implementation : {"auto", "materialized", "blocked", "dask"}, default "auto"
+    implementation : {"auto", "materialized", "blocked", "native", "dask"}, default "auto"
         ``"materialized"`` forms the full score matrix once; ``"blocked"`` works tile by
         tile in ``O(block_q * block_k)`` memory per batch element, skipping the tiles that
-        causal or window restrictions exclude; ``"dask"`` builds the matching Dask graph.
-        ``"auto"`` chooses as the forward does: the Dask graph for Dask arrays, blocked
-        when block sizes are given or the score matrix would be large.
+        causal or window restrictions exclude; ``"native"`` differentiates the library's
+        own fused kernel (torch autograd, ``jax.vjp``; the forward call is recomputed);
+        ``"dask"`` builds the matching Dask graph. ``"auto"`` chooses as the forward does:
+        the Dask graph for Dask arrays, the native backward for torch tensors on a CUDA
+        device where torch's kernels compute the call exactly, blocked when block sizes
+        are given or the score matrix would be large.
     block_q, block_k : int, optional
         Block sizes of the blocked implementation (chosen from the shapes by default).
 
@@ -172,8 +175,8 @@ def scaled_dot_product_attention_vjp(
         bias_mod=bias_mod,
     )
     _check_grad_output(p, query, grad_output)
-    choice = choose(p, implementation, (block_q, block_k))
     x = Inputs(query, key, value, mask, bias, p.scale if p.scale_is_array else None, sinks)
+    choice = choose(p, implementation, (block_q, block_k), vjp_inputs=x)
     if p.L == 0 or p.S == 0:  # nothing reaches the output: every gradient is zero
         return zero_gradients(p, x)
     return finish_gradients(p, x, choice.backward(p, x, grad_output))

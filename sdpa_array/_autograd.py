@@ -8,9 +8,10 @@ would keep every tile's probabilities for the backward pass, and the tiles add u
 whole score matrix. So when it runs on torch tensors that require grad, or on JAX tracers,
 :func:`forward` runs it as one opaque operation that keeps only its inputs, its output (in
 the compute dtype) and its log-sum-exp, and whose backward pass is the implementation's own
-backward kernel: memory stays ``O(block)`` in training. Calls delegated to torch's CPU
-kernel that returns the log-sum-exp go through the same operation, with the VJP's automatic
-choice of backward kernel, because torch cannot differentiate that kernel's backward again.
+backward kernel: memory stays ``O(block)`` in training. Calls delegated to a torch
+kernel that returns the log-sum-exp (CPU or CUDA) go through the same operation, with the
+VJP's automatic choice of backward kernel, because torch differentiates neither that
+log-sum-exp nor the kernel's backward.
 
 * torch: the ``forward`` / ``setup_context`` / ``backward`` form with
   ``generate_vmap_rule``, so ``torch.func.grad``, ``torch.func.vmap`` and their
@@ -74,17 +75,17 @@ def _torch_backward_choice(
     """Whose backward kernel differentiates ``choice`` under torch (``None``: torch's own).
 
     The implementation's own, when its row says ``own_autograd``; the VJP's automatic
-    choice when ``choice`` delegates to a torch kernel that torch cannot differentiate
-    twice (the CPU kernel that returns the log-sum-exp), so that double backward works.
+    choice when ``choice`` delegates the log-sum-exp to a torch kernel whose log-sum-exp
+    torch does not differentiate (a loss on it would silently lose that gradient) or whose
+    backward torch cannot differentiate again (so that double backward works): torch's
+    kernels that return the log-sum-exp, on the CPU and on CUDA.
     """
     if choice.row.own_autograd:
         return choice
-    if (
-        choice.name == "native"
-        and return_lse
-        and not plan_native(p, Request(x, False, True)).twice_differentiable
-    ):
-        return choose(p, "auto")
+    if choice.name == "native" and return_lse:
+        delegation = plan_native(p, Request(x, False, True))
+        if not (delegation.lse_differentiable and delegation.twice_differentiable):
+            return choose(p, "auto")
     return None
 
 

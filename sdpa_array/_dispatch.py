@@ -18,7 +18,15 @@ from ._compat import namespace_name
 from ._kernels.blocked import blocked_attention
 from ._kernels.dask_graph import dask_attention, dask_vjp
 from ._kernels.materialized import materialized_attention
-from ._kernels.native import CannotDelegateError, Request, native_attention, plan_native
+from ._kernels.native import (
+    CannotDelegateError,
+    Request,
+    native_attention,
+    native_vjp,
+    on_cuda,
+    plan_native,
+    plan_native_vjp,
+)
 from ._kernels.tiling import TILE_BYTES, check_block_sizes
 from ._kernels.vjp_blocked import blocked_vjp
 from ._kernels.vjp_materialized import materialized_vjp
@@ -92,7 +100,7 @@ class Row:
 IMPLEMENTATIONS: dict[str, Row] = {
     "materialized": Row(materialized_attention, materialized_vjp),
     "blocked": Row(blocked_attention, blocked_vjp, takes_blocks=True, own_autograd=True),
-    "native": Row(native_attention, None),
+    "native": Row(native_attention, native_vjp),
     "dask": Row(dask_attention, dask_vjp, takes_blocks=True),
 }
 
@@ -199,6 +207,7 @@ def choose(
     blocks: tuple[int | None, int | None] = (None, None),
     *,
     request: Request | None = None,
+    vjp_inputs: Inputs | None = None,
 ) -> Choice:
     """The implementation that runs the call (see ``implementation`` in the public docs).
 
@@ -213,6 +222,10 @@ def choose(
     request : Request, optional
         The forward call's arrays and output flags; ``None`` chooses for the VJP, among
         the implementations that have a backward kernel.
+    vjp_inputs : Inputs, optional
+        For the VJP: the caller's arrays, which the native backward needs to plan its
+        call; without them (the autograd wrappers' backward, which also carries a
+        log-sum-exp cotangent) ``"auto"`` never chooses the native backward.
 
     Raises
     ------
@@ -236,22 +249,42 @@ def choose(
             )
         check_block_sizes(*blocks)
     if implementation == "auto":
-        return Choice(_automatic(p, sized, request), True, *blocks)
-    if implementation == "native" and request is not None:
-        plan_native(p, request)  # raises CannotDelegateError before any work
+        return Choice(_automatic(p, sized, request, vjp_inputs), True, *blocks)
+    if implementation == "native":  # raises CannotDelegateError before any work
+        if request is not None:
+            plan_native(p, request)
+        elif vjp_inputs is not None:
+            plan_native_vjp(p, vjp_inputs)
     return Choice(implementation, False, *blocks)
 
 
-def _automatic(p: Problem, sized: bool, request: Request | None) -> str:
+def _native_vjp_applies(p: Problem, x: Inputs | None) -> bool:
+    """Whether the VJP's ``"auto"`` differentiates the native kernel: on a CUDA device,
+    where torch's fused backward kernels run, and only for calls it computes exactly."""
+    if x is None or not on_cuda(p):
+        return False
+    try:
+        plan_native_vjp(p, x)
+    except CannotDelegateError:
+        return False
+    return True
+
+
+def _automatic(
+    p: Problem, sized: bool, request: Request | None, vjp_inputs: Inputs | None = None
+) -> str:
     """``"auto"``'s rule: weights → materialized; native where it applies and stays
     memory-efficient; else blocked for a large score matrix, materialized for a small one.
-    Dask arrays (without weights) get the graph of chunk pairs (docs/distributed.md)."""
+    Dask arrays (without weights) get the graph of chunk pairs (docs/distributed.md). The
+    VJP differentiates the native kernel on a CUDA device (:func:`_native_vjp_applies`)."""
     if namespace_name(p.xp) == "dask" and (request is None or not request.return_weights):
         return "dask"
     if sized:
         return "blocked"
     large = score_bytes(p) > auto_blocked_bytes(p)
     if request is None:  # the VJP
+        if _native_vjp_applies(p, vjp_inputs):
+            return "native"
         return "blocked" if large else "materialized"
     if request.return_weights:  # the weights are the score matrix: form it once
         return "materialized"

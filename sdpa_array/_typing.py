@@ -29,7 +29,7 @@ Alignment: TypeAlias = Literal["top_left", "bottom_right"]
 ImplementationName: TypeAlias = Literal["auto", "materialized", "blocked", "native", "dask"]
 
 #: The ``implementation=`` choices of the VJP.
-VJPImplementationName: TypeAlias = Literal["auto", "materialized", "blocked", "dask"]
+VJPImplementationName: TypeAlias = Literal["auto", "materialized", "blocked", "native", "dask"]
 
 #: A mask function ``mask_mod(batch, head, q_idx, kv_idx) -> boolean array``.
 MaskMod: TypeAlias = Callable[[Any, Any, Any, Any], Any]

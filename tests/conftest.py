@@ -56,9 +56,12 @@ NATIVE_REFUSED_DTYPES: dict[str, dict[str, str]] = {
     "jax": {"float64": "computes the softmax in float32"}
 }
 
-#: Libraries whose native kernel returning the log-sum-exp runs on the CPU only (stated;
-#: ``tests/test_native.py::test_lse_and_weights_delegation`` checks the refusal elsewhere).
-NATIVE_LSE_CPU_ONLY = frozenset({"torch"})
+#: (library, device) -> dtypes in which no native kernel returns the log-sum-exp on that
+#: device, with the reason the refusal gives (stated;
+#: ``tests/test_native.py::test_lse_and_weights_delegation`` checks the refusals).
+NATIVE_LSE_REFUSED_DTYPES: dict[tuple[str, str], dict[str, str]] = {
+    ("torch", "cuda"): {"float64": "no CUDA kernel returning the log-sum-exp computes float64"}
+}
 
 #: Libraries whose own autodiff the library supports (torch autograd, JAX transforms).
 AUTOGRAD_LIBRARIES = frozenset({"torch", "jax"})
@@ -75,13 +78,12 @@ def _native_dtype(b: Backend, dtype: str) -> bool:
 
 
 def _native_lse_device(b: Backend) -> bool:
-    return b.library in NATIVE_LIBRARIES and (
-        b.library not in NATIVE_LSE_CPU_ONLY or b.device == "cpu"
-    )
+    return b.library in NATIVE_LIBRARIES
 
 
 def _native_lse(b: Backend, dtype: str) -> bool:
-    return _native_lse_device(b) and _native_dtype(b, dtype)
+    refused = NATIVE_LSE_REFUSED_DTYPES.get((b.library, b.device), {})
+    return _native_lse_device(b) and _native_dtype(b, dtype) and dtype not in refused
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from sdpa_array._kernels import native
 from sdpa_array._kernels.native import Request, plan_native
 from sdpa_array._problem import Inputs, validate
 from sdpa_array.testing.backends import BACKENDS
-from tests.conftest import NATIVE_LIBRARIES, NATIVE_LSE_CPU_ONLY, NATIVE_REFUSED_DTYPES
+from tests.conftest import NATIVE_LIBRARIES, NATIVE_LSE_REFUSED_DTYPES, NATIVE_REFUSED_DTYPES
 from tests.helpers import (
     KV,
     Q_GQA,
@@ -37,6 +37,8 @@ from tests.helpers import (
 
 TORCH_PUBLIC = "torch.nn.functional.scaled_dot_product_attention"
 TORCH_CPU_FLASH = "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu"
+TORCH_CUDNN = "torch.ops.aten._scaled_dot_product_cudnn_attention"
+TORCH_EFFICIENT = "torch.ops.aten._scaled_dot_product_efficient_attention"
 JAX = "jax.nn.dot_product_attention"
 
 
@@ -175,25 +177,39 @@ def test_the_stated_rules_are_about_native_libraries():
     """The rules that narrow the native fixtures (``tests/conftest.py``) name libraries of
     the delegation table and dtypes of their backends."""
     assert set(NATIVE_REFUSED_DTYPES) <= NATIVE_LIBRARIES
-    assert NATIVE_LSE_CPU_ONLY <= NATIVE_LIBRARIES
+    assert {library for library, _ in NATIVE_LSE_REFUSED_DTYPES} <= NATIVE_LIBRARIES
     for library, refused in NATIVE_REFUSED_DTYPES.items():
         dtypes = {d for b in BACKENDS if b.library == library for d in b.dtypes}
         assert set(refused) <= dtypes
         assert dtypes - set(refused), f"{library}: native would never delegate"
 
 
+def lse_kernel(backend, dtype: str, *, terms: bool = False) -> str | None:
+    """The kernel that must return the log-sum-exp (``None``: every kernel refuses)."""
+    if backend.library == "jax":
+        return JAX
+    if backend.device == "cpu":
+        return TORCH_CPU_FLASH
+    if dtype in NATIVE_LSE_REFUSED_DTYPES[("torch", "cuda")]:
+        return None
+    # cuDNN (half precision, no mask or bias) first, else the memory-efficient kernel
+    return TORCH_CUDNN if dtype in ("float16", "bfloat16") and not terms else TORCH_EFFICIENT
+
+
 def test_lse_and_weights_delegation(native_backend_dtype):
     backend, dtype = native_backend_dtype
-    on_cpu = backend.device == "cpu"
     result = plan(backend, dtype, B4, BK4, BK4, lse=True)
-    # torch's kernel that returns the log-sum-exp is CPU-only
-    expected = {"torch": TORCH_CPU_FLASH if on_cpu else None, "jax": JAX}[backend.library]
+    expected = lse_kernel(backend, dtype)
     for res in (result, plan(backend, dtype, B4, BK4, BK4, weights=True)):
         if expected is None:
             assert isinstance(res, CannotDelegateError)
-            assert "CPU-only" in str(res)
+            reason = NATIVE_LSE_REFUSED_DTYPES[(backend.library, backend.device)][dtype]
+            assert reason in str(res)
         else:
             assert res.kernel == expected
+    if backend.device == "cuda" and expected is not None:  # a bias: the efficient kernel
+        with_bias = plan(backend, dtype, B4, BK4, BK4, bias_shape=(6, 9), lse=True)
+        assert with_bias.kernel == lse_kernel(backend, dtype, terms=True)
     # The kernels that return the log-sum-exp need Ev == E.
     mismatched = plan(backend, dtype, B4, BK4, (2, 3, 9, 5), lse=True)
     assert isinstance(mismatched, CannotDelegateError)
@@ -375,7 +391,12 @@ def test_lse_and_weights_delegation_matches_oracle(
         implementation="native",
         **options,
     )
-    assert called == [TORCH_CPU_FLASH if backend.library == "torch" else JAX]
+    terms = mask is not None or bias is not None
+    positional = options.get("is_causal") and (
+        options.get("alignment") == "bottom_right" and q_shape[-2] != k_shape[-2]
+    )
+    restricted = terms or positional or "window" in options
+    assert called == [lse_kernel(backend, dtype, terms=restricted)]
     if mask is not None or bias is not None:
         assert np.isneginf(reference.to_numpy(lse)).any(), "the case has an empty row"
 

@@ -579,7 +579,7 @@ def _arrays(xp_like, dtype="float32"):
             TypeError,
             "grad_output must be an array of the inputs' library",
         ),
-        ({"implementation": "native"}, ValueError, "implementation must be one of"),
+        ({"implementation": "flash"}, ValueError, "implementation must be one of"),
         (
             {"implementation": "materialized", "block_q": 4},
             ValueError,

@@ -1,0 +1,320 @@
+"""What every native delegation shares: the request, the planned call, and the steps that
+give a kernel's result exactly the library's semantics (see :mod:`sdpa_array._kernels.native`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..._compat import namespace_name
+from ..._problem import Inputs, Problem
+from ..._result import AttentionResult
+from ..._typing import Array
+from ..layout import leading_axes, ungroup
+from ..operands import kernel_scale, prepare, tile_scores
+from ..softmax import exp_shift
+
+__all__ = [
+    "CannotDelegateError",
+    "Delegation",
+    "Layout",
+    "NativeKernel",
+    "Request",
+    "Terms",
+    "builds_mask",
+    "cast",
+    "common_checks",
+    "finish",
+    "fix_empty_rows",
+    "four_d",
+    "four_d_term",
+    "from_four_d",
+    "kernel_causal",
+    "kernel_dtype",
+    "on_cuda",
+    "refuse",
+    "scale_option",
+    "score_terms",
+    "weights_from_lse",
+]
+
+
+class CannotDelegateError(ValueError):
+    """``implementation="native"`` was asked for a call no native kernel computes exactly.
+
+    The message lists, for each kernel of the caller's library, why it does not apply.
+    """
+
+
+@dataclass(frozen=True)
+class Request:
+    """The caller's arrays and output flags, beside the validated :class:`Problem`."""
+
+    inputs: Inputs
+    return_weights: bool
+    return_lse: bool
+
+    @property
+    def mask(self) -> Array:
+        return self.inputs.mask
+
+    @property
+    def bias(self) -> Array:
+        return self.inputs.bias
+
+
+@dataclass(frozen=True)
+class Delegation:
+    """A call that a native kernel will compute exactly, ready to run.
+
+    Attributes
+    ----------
+    kernel : str
+        Qualified name of the kernel.
+    memory_efficient : bool
+        Whether the kernel avoids forming the ``(L, S)`` score matrix.
+    builds_mask : bool
+        Whether an ``(L, S)`` mask the caller did not pass is built to express the call.
+    run : callable
+        Computes the call.
+    twice_differentiable : bool
+        Whether the library can differentiate the kernel's own backward pass (double
+        backward); where it cannot, :mod:`sdpa_array._autograd` differentiates a call that
+        returns the log-sum-exp through our backward kernels instead.
+    lse_differentiable : bool
+        Whether the library's autodiff carries a gradient through the kernel's log-sum-exp
+        (torch's kernels that return it mark it non-differentiable, so a loss on it would
+        silently lose that part of the gradient: :mod:`sdpa_array._autograd` then
+        differentiates the call through our backward kernels).
+    """
+
+    kernel: str
+    memory_efficient: bool
+    builds_mask: bool
+    run: Callable[[], AttentionResult]
+    twice_differentiable: bool = True
+    lse_differentiable: bool = True
+
+
+@dataclass(frozen=True)
+class NativeKernel:
+    """One row of the delegation table.
+
+    Attributes
+    ----------
+    kernel : str
+        Qualified name of the kernel (shown in messages).
+    library : str
+        Array library whose arrays it takes (as :func:`namespace_name` spells it).
+    plan : callable
+        ``plan(problem, request) -> Delegation``; raises :class:`CannotDelegateError`.
+    """
+
+    kernel: str
+    library: str
+    plan: Callable[[Problem, Request], Delegation]
+
+
+# --- shared, library-independent pieces ---------------------------------------------------
+
+
+def refuse(reason: str) -> CannotDelegateError:
+    return CannotDelegateError(reason)
+
+
+def common_checks(p: Problem) -> None:
+    for refused, reason in (
+        (p.has_sequences, "query/key lengths and segment ids are not delegated"),
+        (p.softcap is not None, "no native kernel applies a softcap"),
+        (p.has_sinks, "no native kernel adds attention sinks"),
+        (p.dropout_p > 0, "native dropout does not draw dropout_keep_mask's bits"),
+        (p.has_mods, "mask_mod/bias_mod are not delegated (see docs: implementations)"),
+        (p.E == 0, "E == 0 (empty feature axis)"),
+        (
+            p.scale_is_array and kernel_dtype(p) != p.compute_dtype,
+            "an array scale would be rounded into the half-precision query (the kernels "
+            "take a Python float)",
+        ),
+    ):
+        if refused:
+            raise refuse(reason)
+
+
+def on_cuda(p: Problem) -> bool:
+    """Whether the call's arrays live on a CUDA device (torch's ``device.type``, CuPy's
+    devices, which have no ``type`` but are always CUDA devices)."""
+    kind = getattr(p.device, "type", None)
+    if kind is not None:
+        return str(kind) == "cuda"
+    return namespace_name(p.xp) == "cupy"
+
+
+def kernel_dtype(p: Problem) -> Any:
+    """The dtype a native kernel computes in: the caller's on a CUDA device, else the compute
+    dtype (float32 for float16/bfloat16 inputs)."""
+    return p.dtype if on_cuda(p) else p.compute_dtype
+
+
+@dataclass(frozen=True)
+class Terms:
+    """Mask and bias as a kernel takes them, and which rows keep an admissible key."""
+
+    is_causal: bool
+    mask: Any
+    bias: Any
+    row_ok: Any
+
+
+def kernel_causal(p: Problem, has_terms: bool) -> bool:
+    """Whether the kernel's own (top-left) ``is_causal`` expresses all positional rules.
+
+    Only without a mask or bias: torch refuses ``is_causal`` beside a mask, and with one,
+    the rows left with no admissible key must be known (:func:`fix_empty_rows`), which
+    needs the positional restriction as a mask anyway.
+    """
+    pos = p.band
+    top_left_causal = pos.is_causal and pos.left is None and pos.right is None and pos.offset == 0
+    return top_left_causal and not has_terms
+
+
+def builds_mask(p: Problem, has_terms: bool) -> bool:
+    """Whether :func:`score_terms` will build an ``(L, S)`` positional mask."""
+    return p.band.restricts and not kernel_causal(p, has_terms)
+
+
+def score_terms(p: Problem, mask: Any, bias: Any, *, merge: bool) -> Terms:
+    """Express mask, bias and positions with the kernel's arguments.
+
+    ``merge``: fold every boolean restriction into one additive float mask (``-inf`` where
+    excluded); needed when a kernel takes only one mask argument, or treats a boolean mask
+    with a large finite negative instead of ``-inf``.
+    """
+    xp, dtype = p.xp, kernel_dtype(p)
+    has_terms = mask is not None or bias is not None
+    is_causal = kernel_causal(p, has_terms)
+    positional = None
+    if builds_mask(p, has_terms):
+        positional = p.band.tile_mask(xp, p.device, slice(0, p.L), slice(0, p.S))
+    allowed = mask
+    if positional is not None:
+        allowed = positional if allowed is None else xp.logical_and(allowed, positional)
+    if bias is not None:
+        bias = xp.astype(bias, dtype, copy=False)
+    neg_inf = xp.asarray(-math.inf, dtype=dtype, device=p.device)
+    row_ok = None
+    if allowed is not None or bias is not None:
+        ok = allowed
+        if bias is not None:
+            finite = bias != neg_inf
+            ok = finite if ok is None else xp.logical_and(ok, finite)
+        row_ok = xp.any(ok, axis=-1, keepdims=True)
+    if merge and allowed is not None:
+        zero = xp.asarray(0.0, dtype=dtype, device=p.device)
+        bias, allowed = xp.where(allowed, zero if bias is None else bias, neg_inf), None
+    return Terms(is_causal, allowed, bias, row_ok)
+
+
+def fix_empty_rows(p: Problem, terms: Terms, out: Any, lse: Any) -> tuple[Any, Any]:
+    """Zeros and ``-inf`` for rows with no admissible key, whatever the kernel gave."""
+    if terms.row_ok is None:
+        return out, lse
+    xp = p.xp
+    out = xp.where(terms.row_ok, out, xp.asarray(0.0, dtype=out.dtype, device=p.device))
+    if lse is not None:
+        neg_inf = xp.asarray(-math.inf, dtype=lse.dtype, device=p.device)
+        lse = xp.where(terms.row_ok[..., 0], lse, neg_inf)
+    return out, lse
+
+
+def weights_from_lse(p: Problem, req: Request, lse: Any) -> Any:
+    """``exp(scores - lse)``: the weights, formed once with the shared score builder."""
+    xp = p.xp
+    ops = prepare(p, req.inputs)
+    s, _ = tile_scores(p, ops, ops.q, slice(0, p.L), slice(0, p.S))
+    lse = xp.astype(lse, p.compute_dtype, copy=False)
+    if p.grouped:
+        lse = xp.reshape(lse, (*lse.shape[:-2], p.heads_kv, p.groups, p.L))
+    return ungroup(p, xp.exp(s - exp_shift(p, lse)[..., None]))
+
+
+def finish(p: Problem, req: Request, terms: Terms, out: Any, lse: Any) -> AttentionResult:
+    out, lse = fix_empty_rows(p, terms, out, lse)
+    weights = weights_from_lse(p, req, lse) if req.return_weights else None
+    return AttentionResult(out=out, weights=weights, lse=lse if req.return_lse else None)
+
+
+def cast(p: Problem, req: Request) -> tuple[Any, Any, Any]:
+    """Query, key and value in :func:`kernel_dtype`; the query times ``scale`` if it is an
+    array."""
+    xp, dtype, x = p.xp, kernel_dtype(p), req.inputs
+    q = xp.astype(x.query, dtype, copy=False)
+    if p.scale_is_array:
+        q = q * xp.astype(kernel_scale(p), dtype, copy=False)
+    return q, xp.astype(x.key, dtype, copy=False), xp.astype(x.value, dtype, copy=False)
+
+
+def scale_option(p: Problem) -> float:
+    """The kernel's ``scale`` (1 when :func:`cast` multiplied an array scale into ``q``)."""
+    return 1.0 if p.scale_is_array else float(p.scale)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The call as ``(B, H, N, X)`` arrays with one flat batch axis (for 4-D kernels)."""
+
+    q: Any
+    k: Any
+    v: Any
+    B: int
+    Hq: int
+    Hkv: int
+
+
+def four_d(p: Problem, q: Any, k: Any, v: Any) -> Layout:
+    """Reshape q, k, v to ``(B, H, N, X)``; refuse batch axes that broadcast."""
+    xp = p.xp
+    batch = p.batch_shape
+    lead = batch[:-1]
+    B = math.prod(lead)
+    ndim = len(batch) + 2
+    heads = []
+    out = []
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        x = leading_axes(xp, x, ndim)
+        if tuple(x.shape[: len(lead)]) != lead:
+            raise refuse(
+                f"4-D kernels need query, key and value with equal batch axes; {name} has "
+                f"{tuple(x.shape[: len(lead)])}, the call {lead}"
+            )
+        h = int(x.shape[-3]) if batch else 1
+        heads.append(h)
+        out.append(xp.reshape(x, (B, h, *x.shape[-2:])))
+    hq, hk, hv = heads
+    if hq != (batch[-1] if batch else 1) or hk != hv or hq % hk:
+        raise refuse(
+            f"heads (query {hq}, key {hk}, value {hv}) must be equal, or the query's a "
+            "multiple of the key/value's"
+        )
+    return Layout(q=out[0], k=out[1], v=out[2], B=B, Hq=hq, Hkv=hk)
+
+
+def four_d_term(p: Problem, x: Any, name: str) -> Any:
+    """A mask/bias as ``(B|1, H|1, L|1, S|1)``; refuse one that broadcasts partially."""
+    if x is None:
+        return None
+    xp = p.xp
+    batch = p.batch_shape
+    lead = batch[:-1]
+    x = leading_axes(xp, x, len(batch) + 2)
+    x_lead = tuple(x.shape[: len(lead)])
+    if x_lead != lead and any(n != 1 for n in x_lead):
+        raise refuse(f"the {name}'s batch axes {x_lead} broadcast partially against {lead}")
+    h = int(x.shape[-3]) if batch else 1
+    return xp.reshape(x, (math.prod(lead) if x_lead == lead else 1, h, *x.shape[-2:]))
+
+
+def from_four_d(p: Problem, x: Any, tail: tuple[int, ...]) -> Any:
+    return p.xp.reshape(x, (*p.batch_shape, *tail))
