@@ -29,6 +29,7 @@ from tests.helpers import (
     assert_array_like,
     assert_close,
     check_against_oracle,
+    check_vjp_against_oracle,
     output_bound,
     rounded,
     score_error,
@@ -399,6 +400,72 @@ def test_lse_and_weights_delegation_matches_oracle(
     assert called == [lse_kernel(backend, dtype, terms=restricted)]
     if mask is not None or bias is not None:
         assert np.isneginf(reference.to_numpy(lse)).any(), "the case has an empty row"
+
+
+@pytest.mark.parametrize(
+    ("case_id", "q_shape", "k_shape", "options", "mask_shape", "bias_shape"),
+    ORACLE_CASES,
+    ids=[c[0] for c in ORACLE_CASES],
+)
+def test_native_vjp_matches_oracle(
+    native_backend_dtype, monkeypatch, case_id, q_shape, k_shape, options, mask_shape, bias_shape
+):
+    """``implementation="native"`` in the VJP differentiates the delegated call (torch
+    autograd, ``jax.vjp``): every gradient, the bias's too, against the oracle."""
+    backend, dtype = native_backend_dtype
+    called = spy_native_kernels(monkeypatch)
+    rng, mask, bias = oracle_inputs(case_id, q_shape, k_shape, mask_shape, bias_shape)
+    out_shape = (*q_shape[:-1], k_shape[-1])
+    check_vjp_against_oracle(
+        backend,
+        dtype,
+        randn(rng, *q_shape),
+        randn(rng, *k_shape),
+        randn(rng, *k_shape),
+        randn(rng, *out_shape),
+        mask=mask,
+        bias=bias,
+        implementation="native",
+        **options,
+    )
+    assert called == [TORCH_PUBLIC if backend.library == "torch" else JAX]
+
+
+def test_native_vjp_refusals(backend):
+    """The VJP's native implementation exists where a library differentiates its kernels,
+    and refuses what those kernels do not compute, naming the reason."""
+    q = backend.asarray(np.zeros((2, 4, 3)), "float32")
+    g = backend.asarray(np.zeros((2, 4, 3)), "float32")
+    vjp = sdpa_array.scaled_dot_product_attention_vjp
+    if backend.library not in NATIVE_LIBRARIES:
+        with pytest.raises(CannotDelegateError, match=f"no backward for {backend.library}"):
+            vjp(q, q, q, g, implementation="native")
+        return
+    with pytest.raises(CannotDelegateError, match="softcap"):
+        vjp(q, q, q, g, softcap=2.0, implementation="native")
+
+
+def test_vjp_auto_takes_the_native_backward_on_cuda_only(eager_backend):
+    """``"auto"`` differentiates the native kernel on a CUDA device (torch's fused backward
+    kernels), and keeps the library's own backward kernels elsewhere."""
+    backend = eager_backend
+    q = lazy_zeros(backend, (1, 2, 64, 8))
+    p = validate(
+        q,
+        q,
+        q,
+        mask=None,
+        bias=None,
+        is_causal=False,
+        window=None,
+        alignment="top_left",
+        scale=None,
+        softcap=None,
+        enable_gqa=False,
+    )
+    choice = _dispatch.choose(p, "auto", vjp_inputs=Inputs(q, q, q))
+    on_gpu = backend.library == "torch" and backend.device == "cuda"
+    assert choice.name == ("native" if on_gpu else "materialized")
 
 
 # ----------------------------------------------------------------------------------------
