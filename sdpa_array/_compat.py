@@ -28,6 +28,7 @@ __all__ = [
     "is_torch_namespace",
     "known_value",
     "namespace_name",
+    "on_gpu",
     "stop_gradient",
 ]
 
@@ -69,13 +70,23 @@ def namespace_name(xp: ModuleType) -> str:
     return name.split(".")[0]
 
 
+def on_gpu(x: Any) -> bool:
+    """Whether ``x`` lives in a GPU's memory (a CuPy array, a torch tensor on CUDA), where
+    reading its values on the host would wait for the device."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        return True
+    kind = getattr(getattr(x, "device", None), "type", None)
+    return kind is not None and str(kind) == "cuda"
+
+
 def known_value(x: Any) -> float | None:
     """The value of a 0-d array as a float, or ``None`` where reading it is not possible.
 
     Lazy Dask arrays are not computed for it; JAX tracers, torch tensors inside
-    ``torch.func.vmap`` and the like refuse to give a value.
+    ``torch.func.vmap`` and the like refuse to give a value; arrays on a GPU are not read
+    (that would wait for the device, a host synchronisation in every call).
     """
-    if is_dask_array(x):
+    if is_dask_array(x) or on_gpu(x):
         return None
     try:
         return float(x.detach() if hasattr(x, "detach") else x)  # torch: no autograd warning
@@ -83,16 +94,17 @@ def known_value(x: Any) -> float | None:
         return None
 
 
-def host_values(x: Any) -> np.ndarray | None:
+def host_values(x: Any, *, from_device: bool = True) -> np.ndarray | None:
     """A NumPy copy (or view) of ``x``'s values, or ``None`` where reading them is not possible.
 
     NumPy arrays are returned as they are; arrays on the CPU are read through DLPack; device
-    arrays (CuPy, torch CUDA) are copied to the host. Lazy Dask arrays are not computed, and
-    JAX tracers have no values.
+    arrays (CuPy, torch CUDA) are copied to the host, unless ``from_device`` is false (the
+    copy would wait for the device). Lazy Dask arrays are not computed, and JAX tracers have
+    no values.
     """
     if isinstance(x, np.ndarray):
         return x
-    if is_dask_array(x):
+    if is_dask_array(x) or (not from_device and on_gpu(x)):
         return None
     try:
         return np.from_dlpack(x)

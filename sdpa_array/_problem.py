@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._compat import array_namespace, device, is_array_api_obj, known_value
+from ._compat import array_namespace, device, is_array_api_obj, known_value, on_gpu
 from ._kernels.dropout import check_dropout
 from ._kernels.restrictions import Band
 from ._mod_args import check_mods
@@ -71,6 +71,9 @@ class Problem:
         Seed of the keep mask (given when ``dropout_p > 0``).
     mask_mod, bias_mod : callable or None
         The caller's mask and bias functions (``mask_mod`` possibly a ``BlockMask``).
+    on_gpu : bool
+        Whether the arrays live on a GPU (CuPy, torch CUDA): tiles are then planned for it
+        (:func:`~sdpa_array._kernels.tiling.plans_for_gpu`).
     """
 
     xp: ModuleType
@@ -98,6 +101,7 @@ class Problem:
     dropout_seed: int | None = None
     mask_mod: Any = None
     bias_mod: Any = None
+    on_gpu: bool = False
 
     @property
     def sequence_batch(self) -> tuple[int, ...]:
@@ -445,4 +449,5 @@ def validate(
         dropout_seed=drop_seed,
         mask_mod=mask_fn,
         bias_mod=bias_fn,
+        on_gpu=on_gpu(query),
     )

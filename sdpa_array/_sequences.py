@@ -99,7 +99,8 @@ def _integer_array(
         ) from None
     if not xp.isdtype(value.dtype, "integral"):
         raise TypeError(f"{name} must have an integer dtype, got {value.dtype}")
-    return xp.astype(value, index_dtype), host_values(value)
+    # on a GPU the values stay there: tiles are then planned without them (no host copy)
+    return xp.astype(value, index_dtype), host_values(value, from_device=False)
 
 
 def check_lengths(

@@ -222,7 +222,7 @@ def test_blocked_vjp_with_the_batch_split_matches_oracle(
 ):
     """A tile budget of a few bytes makes the blocked path loop over every batch entry (as
     it does for large calls), summing dK, dV and dBias over the entries that share them."""
-    monkeypatch.setattr(vjp_blocked, "TILE_BYTES", 64)
+    monkeypatch.setattr(vjp_blocked, "tile_bytes", lambda p: 64)
     splits = []
     original = vjp_blocked.batch_slices
 

@@ -25,7 +25,14 @@ from .materialized import materialized_attention
 from .operands import Operands, prepare, tile_scores
 from .parallel import map_blocks
 from .softmax import exp_shift, log_sum_exp, row_sum, safe_reciprocal
-from .tiling import TILE_BYTES, QueryBlock, batch_slices, choose_block_sizes, plan_blocks
+from .tiling import (
+    QueryBlock,
+    batch_slices,
+    choose_block_sizes,
+    plan_blocks,
+    plans_for_gpu,
+    tile_bytes,
+)
 
 __all__ = ["blocked_attention"]
 
@@ -104,10 +111,11 @@ def blocked_attention(
     xp = p.xp
     ops = prepare(p, x)
     batch = p.kernel_batch
-    per_sequence = ops.restrictions.per_sequence
+    # per-sequence tile plans loop over the sequences: a GPU plan keeps the batch together
+    per_sequence = ops.restrictions.per_sequence and not plans_for_gpu(p)
     split, outer = batch_slices(
         batch,
-        max(1, TILE_BYTES // p.itemsize // (bq * bk)),
+        max(1, tile_bytes(p) // p.itemsize // (bq * bk)),
         at_least=len(p.sequence_batch) if per_sequence else 0,
     )
     slices = {index: ops.at(index) for index in outer}

@@ -8,8 +8,11 @@ reach and which tiles are empty, full or partial; empty tiles are never planned.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .._problem import Problem
@@ -17,6 +20,8 @@ from .restrictions import Restrictions, TileKind
 
 __all__ = [
     "BLOCK_ALIGN",
+    "GPU_MAX_BLOCK_K",
+    "GPU_TILE_BYTES",
     "GRID_RESTRICTED",
     "MAX_BLOCK_K",
     "MIN_ROWS",
@@ -28,13 +33,54 @@ __all__ = [
     "balanced",
     "batch_slices",
     "choose_block_sizes",
+    "gpu_plans",
     "plan_backward",
     "plan_blocks",
+    "plans_for_gpu",
+    "tile_bytes",
 ]
 
 #: Target size in bytes of one score tile (all batch elements processed together in it);
 #: docs/performance.md has the measurements behind it.
 TILE_BYTES = 2**20
+
+#: On a GPU, the score tile of every batch element and head together: each launch does a
+#: lot of work (one batched product over the whole batch per tile, no Python loop over
+#: batch, heads or small tiles), within a memory budget far below a GPU's memory (the
+#: blocked path's peak stays a few tiles: under 1 GiB at any size).
+GPU_TILE_BYTES = 2**28
+
+#: On a GPU, the longest key block: a tile covers all keys up to this length, so each
+#: query row's softmax is done in one tile.
+GPU_MAX_BLOCK_K = 2**15
+
+_FORCE_GPU_PLANS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "sdpa_array_force_gpu_plans", default=False
+)
+
+
+@contextlib.contextmanager
+def gpu_plans() -> Iterator[None]:
+    """Plan tiles as for a GPU whatever the device (for tests on a CPU, which count the
+    operations of a call planned for a GPU)."""
+    token = _FORCE_GPU_PLANS.set(True)
+    try:
+        yield
+    finally:
+        _FORCE_GPU_PLANS.reset(token)
+
+
+def plans_for_gpu(p: Problem) -> bool:
+    """Whether ``p``'s tiles are planned for a GPU: its arrays are on one, or
+    :func:`gpu_plans` is active."""
+    return p.on_gpu or _FORCE_GPU_PLANS.get()
+
+
+def tile_bytes(p: Problem) -> int:
+    """Bytes of scores in one tile of all the batch elements processed together:
+    :data:`GPU_TILE_BYTES` on a GPU, :data:`TILE_BYTES` elsewhere."""
+    return GPU_TILE_BYTES if plans_for_gpu(p) else TILE_BYTES
+
 
 #: Longest default key block: the online-softmax rescaling of the output (``block_q * Ev``
 #: per key block) stays small beside the tile, and ``block_q`` stays at 256 for float32
@@ -117,8 +163,16 @@ def choose_block_sizes(
         positive).
     """
     check_block_sizes(block_q, block_k)
-    budget = max(TILE_BYTES // p.itemsize, BLOCK_ALIGN * BLOCK_ALIGN)
     S, L = max(p.S, 1), max(p.L, 1)
+    if plans_for_gpu(p):  # the whole batch in one tile, each row's keys in one tile
+        batch = max(1, math.prod(p.kernel_batch))
+        if block_k is None:
+            block_k = balanced(S, GPU_MAX_BLOCK_K)
+        if block_q is None:
+            rows = GPU_TILE_BYTES // p.itemsize // (batch * block_k)
+            block_q = balanced(L, max(BLOCK_ALIGN, rows // BLOCK_ALIGN * BLOCK_ALIGN))
+        return min(block_q, L), min(block_k, S)
+    budget = max(TILE_BYTES // p.itemsize, BLOCK_ALIGN * BLOCK_ALIGN)
     if block_k is None:
         block_k = balanced(S, min(MAX_BLOCK_K, budget // BLOCK_ALIGN))
     if block_q is None:
@@ -227,7 +281,8 @@ def plan_backward(
 ) -> BackwardPlan:
     """Plan the blocked backward pass of ``p`` (``L``, ``S`` > 0).
 
-    Tiles hold about :data:`TILE_BYTES` of scores per batch element, like the forward's. By
+    Tiles hold about :data:`TILE_BYTES` of scores per batch element, like the forward's (on
+    a GPU, the forward's blocks, :data:`GPU_TILE_BYTES` for the whole batch). By
     default a tile holds whole rows (all ``S`` keys, and as many query rows as fit) when at
     least :data:`MIN_ROWS` rows fit; otherwise, or when ``block_k`` is given, the blocks are
     the forward's (:func:`choose_block_sizes`). The key grid is the key block, or
@@ -237,6 +292,8 @@ def plan_backward(
     """
     bq, bk = choose_block_sizes(p, block_q, block_k)  # also validates the overrides
     budget = TILE_BYTES // p.itemsize
+    if plans_for_gpu(p):  # the forward's blocks already hold whole rows of the batch
+        budget = 0
     if block_k is None and budget >= p.S * MIN_ROWS:
         bk = p.S
         bq = min(block_q or balanced(p.L, max(BLOCK_ALIGN, budget // p.S)), p.L)

@@ -48,7 +48,14 @@ from .operands import prepare
 from .parallel import get_num_threads, map_blocks
 from .restrictions import TileKind
 from .slicing import tile_of
-from .tiling import TILE_BYTES, BackwardBlock, BackwardPlan, batch_slices, plan_backward
+from .tiling import (
+    BackwardBlock,
+    BackwardPlan,
+    batch_slices,
+    plan_backward,
+    plans_for_gpu,
+    tile_bytes,
+)
 
 __all__ = ["ITEMS_PER_THREAD", "blocked_vjp"]
 
@@ -309,8 +316,10 @@ def blocked_vjp(
         out, lse = forward.out, forward.lse
     b = prepare_backward(p, x, grad_output, ops=ops, out=out, lse=lse, grad_lse=grad_lse)
 
-    per_item = max(1, TILE_BYTES // p.itemsize // (plan.block_q * plan.width))
-    at_least = len(p.sequence_batch) if ops.restrictions.per_sequence else 0
+    per_item = max(1, tile_bytes(p) // p.itemsize // (plan.block_q * plan.width))
+    # per-sequence slices loop over the sequences: a GPU plan keeps the batch together
+    per_sequence = ops.restrictions.per_sequence and not plans_for_gpu(p)
+    at_least = len(p.sequence_batch) if per_sequence else 0
     split, slices = batch_slices(p.kernel_batch, per_item, at_least=at_least)
     if p.grouped and split == len(p.kernel_batch):
         # keep the group axis inside an item: dK sums over it in one product

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..._compat import namespace_name
 from ..._problem import Inputs, Problem
 from ..._result import AttentionResult
 from ..._typing import Array
@@ -144,12 +143,8 @@ def common_checks(p: Problem) -> None:
 
 
 def on_cuda(p: Problem) -> bool:
-    """Whether the call's arrays live on a CUDA device (torch's ``device.type``, CuPy's
-    devices, which have no ``type`` but are always CUDA devices)."""
-    kind = getattr(p.device, "type", None)
-    if kind is not None:
-        return str(kind) == "cuda"
-    return namespace_name(p.xp) == "cupy"
+    """Whether the call's arrays live on a CUDA device."""
+    return p.on_gpu
 
 
 def kernel_dtype(p: Problem) -> Any:
