@@ -232,3 +232,19 @@ def _make_fixtures(name: str) -> None:
 # One fixture per entry of BACKEND_FIXTURES, and its ``_dtype`` variant.
 for _name in BACKEND_FIXTURES:
     _make_fixtures(_name)
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory_pools():
+    """Give memory cached by CuPy's and torch's GPU allocators back after each test: the
+    test workers share one GPU, and cuBLAS allocates its workspace outside those pools (it
+    failed with ``CUBLAS_STATUS_ALLOC_FAILED`` while eight workers' pools held the memory)."""
+    yield
+    import sys
+
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and cupy.cuda.is_available():
+        cupy.get_default_memory_pool().free_all_blocks()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
