@@ -32,11 +32,17 @@ TEST_SESSIONS = {
     "tests-strict": ("strict", "test,strict", [], True),
     "tests-jax": ("jax", "test,jax", [], True),
     "tests-dask": ("dask", "test,dask", [], True),
+    # The Triton kernels under triton's interpreter, on CPU torch tensors (tests/test_triton.py;
+    # TRITON_INTERPRET=1 is set for this session only).
+    "tests-triton": ("torch", "test,triton", [TORCH], True),
     # Need an NVIDIA GPU: not run by default.
     "tests-cupy": ("cupy", "test,cupy", [], False),
-    "tests-cuda": ("torch:cuda", "test", ["torch"], False),
+    "tests-cuda": ("torch:cuda", "test,triton", ["torch"], False),
 }
 
+
+#: Sessions that run triton's interpreter, and the test files they run (by default).
+INTERPRETED_SESSIONS = {"tests-triton": ["tests/test_triton.py", "tests/test_dispatch_gpu.py"]}
 
 #: The session that also runs the docstrings' examples: they use NumPy, and the example of
 #: ``sdpa_array.lab.figures`` matplotlib, which the ``plot`` extra installs.
@@ -62,13 +68,17 @@ def _define_test_session(
         if reqs:
             session.install(*reqs)
         session.install("-e", f".[{extras}]")
+        env = {"SDPA_BACKENDS": backends, "HYPOTHESIS_PROFILE": "ci"}
+        if name in INTERPRETED_SESSIONS:
+            env["TRITON_INTERPRET"] = "1"
         session.run(
             "pytest",
             "--durations=10",
             *select,
             *targets,
+            *(INTERPRETED_SESSIONS.get(name, []) if not session.posargs else []),
             *session.posargs,
-            env={"SDPA_BACKENDS": backends, "HYPOTHESIS_PROFILE": "ci"},
+            env=env,
         )
 
     which = f"the tests marked {marks!r}" if marks else "every test"

@@ -265,7 +265,9 @@ def scaled_dot_product_attention(
     return_lse : bool, default False
         Also return the log-sum-exp of the final scores ``(..., Hq, L)`` (in the compute
         dtype: float32 for float16/bfloat16 inputs).
-    implementation : {"auto", "materialized", "blocked", "native", "dask"}, default "auto"
+    implementation : str, default "auto"
+        One of "auto", "materialized", "blocked", "native", "triton", "dask".
+
         Which implementation runs; all give the same results within rounding.
 
         * ``"materialized"`` forms the full ``(..., L, S)`` score matrix: the simplest path,
@@ -274,23 +276,35 @@ def scaled_dot_product_attention(
           and queries in blocks, so its extra memory is ``O(block_q * block_k)`` per batch
           element; key blocks that causal or window restrictions exclude are skipped. With
           ``return_weights`` it falls back to the materialized path (the weights are the
-          score matrix).
+          score matrix). On a GPU its tiles hold every batch element and head and all
+          keys of their rows (about 64 MiB of scores).
         * ``"native"`` hands the call to the library's own fused kernel
-          (``torch.nn.functional.scaled_dot_product_attention``, torch's CPU
-          flash-attention kernel when the log-sum-exp is wanted, or
-          ``jax.nn.dot_product_attention``) where that computes it exactly, and raises
-          :class:`~sdpa_array.CannotDelegateError` (a ``ValueError``) naming the
-          reason otherwise (e.g. ``softcap``, ``mask_mod``, NumPy arrays).
+          (``torch.nn.functional.scaled_dot_product_attention``; when the log-sum-exp is
+          wanted, torch's CPU flash-attention kernel or, on CUDA, its cuDNN, flash or
+          memory-efficient kernel; ``jax.nn.dot_product_attention``) where that computes it
+          exactly, and raises :class:`~sdpa_array.CannotDelegateError` (a ``ValueError``)
+          naming the reason otherwise (e.g. ``softcap``, ``mask_mod``, NumPy arrays). On a
+          CUDA device torch's kernels run in the caller's dtype (float32 accumulation, the
+          probabilities rounded to that dtype before the product with the values).
+        * ``"triton"`` runs the library's own fused kernels, written in Triton, on torch
+          tensors or CuPy arrays on a CUDA device: every score term and restriction but
+          ``mask_mod``/``bias_mod`` functions, in the inputs' dtype with float32
+          accumulation (``pip install sdpa_array[triton]``); it raises
+          :class:`~sdpa_array.CannotUseTritonError` (a ``ValueError``) naming the reason
+          where it cannot run.
         * ``"dask"`` builds a Dask graph of (query chunk, key chunk) tasks merged by
           a tree of :func:`merge_attention_states` (Dask inputs; see the distributed
           page of the docs).
         * ``"auto"``: the materialized path when ``return_weights`` is asked; the Dask
-          graph for Dask arrays; otherwise native when it applies, unless the score
-          matrix would be large (over the library's threshold in the dispatch table:
-          1 MiB on NumPy and torch, 8 MiB on JAX, 256 MiB on array-api-strict) and the
-          kernel would form it or need a positional mask built for it; otherwise
-          blocked when the score matrix would be large, materialized when not. Giving
-          ``block_q``/``block_k`` selects blocked.
+          graph for Dask arrays. On a GPU: native where torch's kernel computes the call
+          without a mask built for it, else the Triton kernels where they apply (CuPy
+          arrays: always), else as below. Elsewhere: native when it applies, unless the
+          score matrix would be large (over the library's threshold in the dispatch
+          table: 1 MiB on NumPy and torch, 8 MiB on JAX, 256 MiB on array-api-strict)
+          and the kernel would form it or need a positional mask built for it;
+          otherwise blocked when the score matrix would be large, materialized when not.
+          Giving ``block_q``/``block_k`` selects blocked. :func:`sdpa_array.explain`
+          shows the choice and why.
     block_q, block_k : int, optional
         Query and key block sizes of the blocked implementation. By default they are
         chosen from the shapes and dtype so that one score tile is about 1 MiB (key blocks
@@ -320,6 +334,9 @@ def scaled_dot_product_attention(
         tried on one index before any work), a ``BlockMask`` made for other sizes.
     CannotDelegateError
         ``implementation="native"`` for a call no native kernel computes exactly (a
+        subclass of ``ValueError``).
+    CannotUseTritonError
+        ``implementation="triton"`` for a call the Triton kernels cannot compute here (a
         subclass of ``ValueError``).
 
     Notes

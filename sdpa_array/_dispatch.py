@@ -11,7 +11,7 @@ so forward and backward can never disagree about which implementation ran.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ._compat import namespace_name
@@ -20,6 +20,7 @@ from ._kernels.dask_graph import dask_attention, dask_vjp
 from ._kernels.materialized import materialized_attention
 from ._kernels.native import (
     CannotDelegateError,
+    Delegation,
     Request,
     native_attention,
     native_vjp,
@@ -28,6 +29,7 @@ from ._kernels.native import (
     plan_native_vjp,
 )
 from ._kernels.tiling import TILE_BYTES, check_block_sizes
+from ._kernels.triton import CannotUseTritonError, plan_triton, triton_attention, triton_vjp
 from ._kernels.vjp_blocked import blocked_vjp
 from ._kernels.vjp_materialized import materialized_vjp
 from ._problem import Inputs, Problem
@@ -101,6 +103,7 @@ IMPLEMENTATIONS: dict[str, Row] = {
     "materialized": Row(materialized_attention, materialized_vjp),
     "blocked": Row(blocked_attention, blocked_vjp, takes_blocks=True, own_autograd=True),
     "native": Row(native_attention, native_vjp),
+    "triton": Row(triton_attention, triton_vjp, own_autograd=True),
     "dask": Row(dask_attention, dask_vjp, takes_blocks=True),
 }
 
@@ -158,12 +161,20 @@ class Choice:
         forward-mode autodiff, which the blocked one's ``jax.custom_vjp`` lacks).
     block_q, block_k : int or None
         Block sizes of the blocked implementation (``None``: chosen from the shapes).
+    why : tuple of str
+        For an automatic choice, why each implementation ``"auto"`` prefers to it was
+        passed over (what :func:`sdpa_array.explain` shows).
+    planned : (Request, Delegation) or None
+        The native kernel's call as ``"auto"`` planned it for one request: a forward call
+        with that request's very inputs and flags runs it without planning again.
     """
 
     name: str
     automatic: bool = False
     block_q: int | None = None
     block_k: int | None = None
+    why: tuple[str, ...] = ()
+    planned: tuple[Request, Delegation] | None = field(default=None, compare=False, repr=False)
 
     @property
     def row(self) -> Row:
@@ -175,7 +186,13 @@ class Choice:
     def forward(
         self, p: Problem, x: Inputs, *, return_weights: bool, return_lse: bool
     ) -> AttentionResult:
-        """Run the forward kernel."""
+        """Run the forward kernel (the planned native call, when it was planned for
+        exactly this request)."""
+        if self.planned is not None:
+            request, delegation = self.planned
+            flags = (request.return_weights, request.return_lse)
+            if request.inputs is x and flags == (return_weights, return_lse):
+                return delegation.run()
         run = self.row.forward
         return run(p, x, return_weights=return_weights, return_lse=return_lse, **self._blocks())
 
@@ -208,6 +225,7 @@ def choose(
     *,
     request: Request | None = None,
     vjp_inputs: Inputs | None = None,
+    lse_cotangent: bool = False,
 ) -> Choice:
     """The implementation that runs the call (see ``implementation`` in the public docs).
 
@@ -223,9 +241,11 @@ def choose(
         The forward call's arrays and output flags; ``None`` chooses for the VJP, among
         the implementations that have a backward kernel.
     vjp_inputs : Inputs, optional
-        For the VJP: the caller's arrays, which the native backward needs to plan its
-        call; without them (the autograd wrappers' backward, which also carries a
-        log-sum-exp cotangent) ``"auto"`` never chooses the native backward.
+        For the VJP: the caller's arrays, which the native and Triton backward kernels need
+        to plan their call (without them ``"auto"`` chooses neither).
+    lse_cotangent : bool
+        For the VJP: whether the backward also receives a log-sum-exp cotangent (the
+        autograd wrappers), which torch's native backward kernels cannot take.
 
     Raises
     ------
@@ -236,6 +256,9 @@ def choose(
     CannotDelegateError
         ``"native"`` for a call no native kernel computes exactly (also when ``L`` or ``S``
         is 0, where no kernel would run).
+    CannotUseTritonError
+        ``"triton"`` for a call the Triton kernels cannot compute here (triton missing, not
+        on a GPU, a mask function...).
     """
     names = [n for n, row in IMPLEMENTATIONS.items() if request is not None or row.backward]
     choices = ("auto", *names)
@@ -249,51 +272,108 @@ def choose(
             )
         check_block_sizes(*blocks)
     if implementation == "auto":
-        return Choice(_automatic(p, sized, request, vjp_inputs), True, *blocks)
+        name, why, delegation = _automatic(p, sized, request, vjp_inputs, lse_cotangent)
+        planned = None if delegation is None or request is None else (request, delegation)
+        return Choice(name, True, *blocks, why=why, planned=planned)
     if implementation == "native":  # raises CannotDelegateError before any work
         if request is not None:
             plan_native(p, request)
         elif vjp_inputs is not None:
             plan_native_vjp(p, vjp_inputs)
+    if implementation == "triton":  # raises CannotUseTritonError before any work
+        x = request.inputs if request is not None else vjp_inputs
+        if x is not None:
+            plan_triton(p, x)
     return Choice(implementation, False, *blocks)
 
 
-def _native_vjp_applies(p: Problem, x: Inputs | None) -> bool:
-    """Whether the VJP's ``"auto"`` differentiates the native kernel: on a CUDA device,
-    where torch's fused backward kernels run, and only for calls it computes exactly."""
-    if x is None or not on_cuda(p):
-        return False
+def _native_vjp_reason(p: Problem, x: Inputs | None, lse_cotangent: bool) -> str | None:
+    """Why the VJP's ``"auto"`` does not differentiate the native kernel (``None``: it
+    does): only on a CUDA device, where torch's fused backward kernels run, for calls they
+    compute exactly without a mask built for them."""
+    if lse_cotangent:
+        return "native: a log-sum-exp cotangent, which torch's backward kernels cannot take"
+    if x is None:
+        return "native: the VJP was planned without the caller's arrays"
+    if not on_cuda(p):
+        return "native: the library's own backward kernels are used off a GPU"
     try:
-        plan_native_vjp(p, x)
-    except CannotDelegateError:
-        return False
-    return True
+        delegation = plan_native_vjp(p, x)
+    except CannotDelegateError as exc:
+        return f"native: {exc}"
+    if delegation.builds_mask:
+        return "native: it would need an (L, S) mask built for the call"
+    return None
+
+
+def _triton_reason(p: Problem, x: Inputs) -> str | None:
+    """Why ``"auto"`` does not run the Triton kernels (``None``: it does). Only on a GPU:
+    under triton's interpreter they run on the CPU too, but only when asked for by name."""
+    if not p.on_gpu:
+        return "triton: auto uses the Triton kernels on a GPU only"
+    try:
+        plan_triton(p, x)
+    except CannotUseTritonError as exc:
+        return f"triton: {exc}"
+    return None
 
 
 def _automatic(
-    p: Problem, sized: bool, request: Request | None, vjp_inputs: Inputs | None = None
-) -> str:
-    """``"auto"``'s rule: weights → materialized; native where it applies and stays
-    memory-efficient; else blocked for a large score matrix, materialized for a small one.
-    Dask arrays (without weights) get the graph of chunk pairs (docs/distributed.md). The
-    VJP differentiates the native kernel on a CUDA device (:func:`_native_vjp_applies`)."""
+    p: Problem,
+    sized: bool,
+    request: Request | None,
+    vjp_inputs: Inputs | None = None,
+    lse_cotangent: bool = False,
+) -> tuple[str, tuple[str, ...], Delegation | None]:
+    """``"auto"``'s rule, why the candidates before the chosen one were passed over, and
+    the native call when it chose one.
+
+    Weights → materialized. On a GPU, torch's native kernel where it computes the call
+    exactly without a mask built for it, else the Triton kernels where they apply (CuPy:
+    always first); elsewhere native where it applies and stays memory-efficient; else
+    blocked for a large score matrix, materialized for a small one. Dask arrays (without
+    weights) get the graph of chunk pairs (docs/distributed.md). The VJP follows the same
+    order on a GPU (:func:`_native_vjp_reason`, :func:`_triton_reason`).
+    """
     if namespace_name(p.xp) == "dask" and (request is None or not request.return_weights):
-        return "dask"
+        return "dask", (), None
     if sized:
-        return "blocked"
+        return "blocked", ("block sizes were given",), None
     large = score_bytes(p) > auto_blocked_bytes(p)
+    generic = "blocked" if large else "materialized"
+    why: list[str] = []
     if request is None:  # the VJP
-        if _native_vjp_applies(p, vjp_inputs):
-            return "native"
-        return "blocked" if large else "materialized"
+        reason = _native_vjp_reason(p, vjp_inputs, lse_cotangent)
+        if reason is None:
+            return "native", (), None
+        why.append(reason)
+        if vjp_inputs is not None:
+            reason = _triton_reason(p, vjp_inputs)
+            if reason is None:
+                return "triton", tuple(why), None
+            why.append(reason)
+        return generic, tuple(why), None
     if request.return_weights:  # the weights are the score matrix: form it once
-        return "materialized"
+        return "materialized", ("the weights were asked for: the score matrix is formed",), None
     try:
         delegation = plan_native(p, request)
-    except CannotDelegateError:
+    except CannotDelegateError as exc:
         delegation = None
-    if delegation is not None and not (
-        large and (delegation.builds_mask or not delegation.memory_efficient)
-    ):
-        return "native"
-    return "blocked" if large else "materialized"
+        why.append(str(exc))
+    if delegation is not None:
+        if not (large or p.on_gpu) or not (
+            delegation.builds_mask or not delegation.memory_efficient
+        ):
+            return "native", tuple(why), delegation
+        why.append(
+            f"native: {delegation.kernel} would "
+            + ("need an (L, S) mask built" if delegation.builds_mask else "form the scores")
+        )
+    if p.on_gpu:
+        reason = _triton_reason(p, request.inputs)
+        if reason is None:
+            return "triton", tuple(why), None
+        why.append(reason)
+        if delegation is not None and not large:
+            return "native", tuple(why), delegation
+    return generic, tuple(why), None

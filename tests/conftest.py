@@ -105,6 +105,10 @@ BACKEND_FIXTURES: dict[str, BackendFixture] = {
     "dask_backend": BackendFixture(lambda b: b.library == "dask"),
     # eager arrays, whose values can be read (every library but Dask)
     "eager_backend": BackendFixture(lambda b: b.library != "dask"),
+    # eager arrays whose values the host reads without waiting for a device (not on a GPU)
+    "host_backend": BackendFixture(lambda b: b.library != "dask" and b.device != "cuda"),
+    # arrays on a GPU (torch CUDA, CuPy)
+    "gpu_backend": BackendFixture(lambda b: b.device == "cuda"),
     # arrays torch shares memory with (NumPy and torch), for comparisons with torch
     "torch_interop_backend": BackendFixture(lambda b: b.library in ("numpy", "torch")),
     # backends whose arrays are not NumPy's, for mixing libraries

@@ -258,9 +258,9 @@ def test_empty_lengths(backend_dtype, implementation, L, S):
 
 
 @pytest.mark.parametrize(("L", "S"), [(0, 5), (4, 0), (0, 0)])
-def test_empty_lengths_native(native_backend_dtype, L, S):
-    # Ev == E: torch's kernel that returns the log-sum-exp needs it (test_native.py)
-    _check_empty_lengths(*native_backend_dtype, "native", L, S, Ev=4)
+def test_empty_lengths_native(native_lse_backend_dtype, L, S):
+    # Ev == E: torch's kernels that return the log-sum-exp need it (test_native.py)
+    _check_empty_lengths(*native_lse_backend_dtype, "native", L, S, Ev=4)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

@@ -25,6 +25,7 @@ import pytest
 
 import sdpa_array
 from sdpa_array.testing import assert_within, vjp_oracle_and_bounds
+from tests.conftest import NATIVE_LSE_REFUSED_DTYPES
 
 #: (id, q, k, v shapes, options, mask shape, bias shape)
 CASES = [
@@ -121,12 +122,26 @@ def _torch_case(backend, case):
     return leaves, None if mask is None else backend.asarray(mask), options
 
 
+def _refused_natively(backend, implementation, leaves, mask, options) -> bool:
+    """Whether ``"native"`` must refuse this float64 case with the log-sum-exp on the
+    backend's device (``NATIVE_LSE_REFUSED_DTYPES``: torch on CUDA); if so, check that it
+    does, with the stated reason."""
+    refused = NATIVE_LSE_REFUSED_DTYPES.get((backend.library, backend.device), {})
+    if implementation != "native" or "float64" not in refused:
+        return False
+    with pytest.raises(sdpa_array.CannotDelegateError, match=refused["float64"]):
+        _attention(mask, options, implementation, {})(*leaves)
+    return True
+
+
 @pytest.mark.parametrize(("case", "implementation", "blocks"), _params())
 def test_torch_double_backward(torch_backend, case, implementation, blocks):
     """First and second derivatives of ``out`` and ``lse`` against finite differences."""
     import torch
 
     leaves, mask, options = _torch_case(torch_backend, case)
+    if _refused_natively(torch_backend, implementation, leaves, mask, options):
+        return
     fn = _attention(mask, options, implementation, blocks)
     assert torch.autograd.gradcheck(fn, leaves)
     assert torch.autograd.gradgradcheck(fn, leaves)
@@ -163,6 +178,8 @@ def test_torch_func_grad_and_vmap(torch_backend, case, implementation, blocks):
     import torch
 
     leaves, mask, options = _torch_case(torch_backend, case)
+    if _refused_natively(torch_backend, implementation, leaves, mask, options):
+        return
     fn = _attention(mask, options, implementation, blocks)
     argnums = tuple(range(len(leaves)))
 

@@ -66,8 +66,9 @@ def test_launches_do_not_grow_with_batch_or_heads(torch_backend, vjp, options):
         small = count_ops(call(torch_backend, (1, 1, 256, 16), vjp=vjp, **options))
         large = count_ops(call(torch_backend, (4, 8, 256, 16), vjp=vjp, **options))
     assert sum(large.values()) == sum(small.values()), (small, large)
-    on_cpu = count_ops(call(torch_backend, (4, 8, 256, 16), vjp=vjp, **options))
-    assert sum(on_cpu.values()) > sum(large.values())  # the CPU plan loops over them
+    if torch_backend.device == "cpu":  # the CPU's own plan loops over them
+        on_cpu = count_ops(call(torch_backend, (4, 8, 256, 16), vjp=vjp, **options))
+        assert sum(on_cpu.values()) > sum(large.values())
 
 
 @pytest.mark.parametrize("vjp", [False, True], ids=["forward", "vjp"])

@@ -244,9 +244,16 @@ def test_bad_scale(backend, make, error, match):
 
 
 @pytest.mark.parametrize("value", BAD_VALUES)
-def test_bad_scale_value_where_readable(eager_backend, value):
-    scale = eager_backend.asarray(np.asarray(value), "float32")
-    _check_refused(eager_backend, scale, ValueError, r"scale must be a positive finite number")
+def test_bad_scale_value_where_readable(host_backend, value):
+    scale = host_backend.asarray(np.asarray(value), "float32")
+    _check_refused(host_backend, scale, ValueError, r"scale must be a positive finite number")
+
+
+def test_scale_value_is_not_read_on_a_gpu(gpu_backend):
+    """Reading a GPU array's value waits for the device (a host synchronisation in every
+    call): a scale array on a GPU is taken as it is, like a JAX tracer's."""
+    scale = gpu_backend.asarray(np.asarray(0.5), "float32")
+    assert sdpa_array._compat.known_value(scale) is None
 
 
 def test_scale_of_another_library(non_numpy_backend):

@@ -18,6 +18,8 @@ Profiles (environment variable ``SDPA_BENCH_PROFILE``):
 * ``quick`` (default): float32, B=1, H=8, L=S=1024, E=64 with and without ``is_causal``;
   the long call has L=S=8192. A few minutes on 2 cores.
 * ``full``: adds L=S=4096 (the issue's reference shape), float16 and L=S=32768.
+* ``gpu``: ``quick`` for these benchmarks, and every shape and dtype of the GPU history
+  (:mod:`benchmarks.gpu`; ``quick`` runs only its smallest float16 shape there).
 
 Matrix products run at full float32 precision (no TF32) unless ``SDPA_BENCH_ALLOW_TF32=1``.
 """
@@ -49,8 +51,8 @@ for _backend in BACKENDS:
         importlib.import_module(_backend.module)
 
 PROFILE = os.environ.get("SDPA_BENCH_PROFILE", "quick")
-if PROFILE not in ("quick", "full"):
-    raise ValueError(f"SDPA_BENCH_PROFILE must be 'quick' or 'full', got {PROFILE!r}")
+if PROFILE not in ("quick", "full", "gpu"):
+    raise ValueError(f"SDPA_BENCH_PROFILE must be 'quick', 'full' or 'gpu', got {PROFILE!r}")
 FULL = PROFILE == "full"
 
 #: Every registered backend but read-only NumPy, which times the same code as ``numpy``.

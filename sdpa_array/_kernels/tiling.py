@@ -46,9 +46,10 @@ TILE_BYTES = 2**20
 
 #: On a GPU, the score tile of every batch element and head together: each launch does a
 #: lot of work (one batched product over the whole batch per tile, no Python loop over
-#: batch, heads or small tiles), within a memory budget far below a GPU's memory (the
-#: blocked path's peak stays a few tiles: under 1 GiB at any size).
-GPU_TILE_BYTES = 2**28
+#: batch, heads or small tiles), within a memory budget far below a GPU's memory: the
+#: blocked path's peak is a few tiles (543 MiB with 256 MiB tiles at L = S = 32768, one
+#: head, float16, causal, on an H200; docs/performance.md).
+GPU_TILE_BYTES = 2**26
 
 #: On a GPU, the longest key block: a tile covers all keys up to this length, so each
 #: query row's softmax is done in one tile.

@@ -196,6 +196,8 @@ def score_terms(p: Problem, mask: Any, bias: Any, *, merge: bool) -> Terms:
     allowed = mask
     if positional is not None:
         allowed = positional if allowed is None else xp.logical_and(allowed, positional)
+    if allowed is None and bias is None:  # nothing to express: the kernel's own causal
+        return Terms(is_causal, None, None, None)
     if bias is not None:
         bias = xp.astype(bias, dtype, copy=False)
     neg_inf = xp.asarray(-math.inf, dtype=dtype, device=p.device)

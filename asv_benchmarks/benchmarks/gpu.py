@@ -1,0 +1,148 @@
+"""GPU history: forward and VJP on torch CUDA and CuPy, as TFLOP/s and ratios.
+
+Every parameter combination is skipped (``NotImplementedError`` in ``setup``) where its
+library or GPU is absent, so the suite runs unchanged on a CPU-only machine. On a GPU::
+
+    SDPA_BENCH_PROFILE=gpu asv run --python=same --bench gpu --set-commit-hash $(git rev-parse HEAD)
+
+Each combination measures, interleaved in one run, our call, the peer (torch's
+``scaled_dot_product_attention`` on the same memory: its forward, or its autograd backward
+for the VJP) and, for the forward, the GEMM-bound limit (the two bare products of the same
+shapes in the same library). The three ``track_*`` benchmarks report from that one
+measurement: TFLOP/s (``4·B·H·L·S·E`` per forward, half when causal, 2.5 times that for a
+backward), the ratio to torch's time and the fraction of the GEMM-bound limit.
+``SDPA_BENCH_GPU_BACKENDS`` (comma-separated backend ids) replaces the GPU backends, e.g.
+with ``torch`` to try the suite on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+from typing import Any, ClassVar
+
+from sdpa_array import (
+    CannotDelegateError,
+    CannotUseTritonError,
+    scaled_dot_product_attention,
+    scaled_dot_product_attention_vjp,
+)
+from sdpa_array._cli.bench import interleaved_times, make_inputs, torch_sdpa_peer, two_products
+
+from .common import PROFILE, Shape, backend_for
+
+GPU_BACKENDS = os.environ.get("SDPA_BENCH_GPU_BACKENDS", "torch:cuda,cupy").split(",")
+GPU_IMPLEMENTATIONS = ["auto", "native", "triton", "blocked", "materialized"]
+VJP_IMPLEMENTATIONS = ["auto", "native", "triton", "blocked"]
+GPU_DTYPES = ["float16", "bfloat16", "float32"] if PROFILE == "gpu" else ["float16"]
+GPU_SHAPES = (
+    [
+        "4x16x1024x64",
+        "4x16x1024x128",
+        "4x16x4096x64",
+        "4x16x4096x128",
+        "4x16x4096x128-causal",
+        "1x16x16384x128",
+        "1x16x16384x128-causal",
+    ]
+    if PROFILE == "gpu"
+    else ["4x16x1024x64"]
+)
+ROUNDS = 5
+REPS = 10
+#: Largest score matrix (bytes) the materialized path may form in these benchmarks.
+MAX_SCORE_BYTES = 8 * 2**30
+
+
+def _queued(fn: Any) -> Any:
+    """``REPS`` calls of ``fn`` queued back to back; the last result (its first array, for
+    a tuple of gradients) is what the caller synchronises."""
+
+    def run() -> Any:
+        for _ in range(REPS - 1):
+            fn()
+        result = fn()
+        return result[0] if isinstance(result, tuple) else result
+
+    return run
+
+
+@functools.cache
+def _measure(direction: str, backend_id: str, impl: str, dtype: str, shape_text: str) -> dict:
+    """Interleaved medians of ours, the peer and (forward) the two bare products."""
+    backend = backend_for(backend_id, dtype)
+    shape = Shape.parse(shape_text)
+    if impl == "materialized" and shape.score_bytes(dtype) > MAX_SCORE_BYTES:
+        raise NotImplementedError("the materialized path would form too large a matrix")
+    q, k, v = make_inputs(backend, shape.dims, dtype)
+    causal = shape.causal
+    if direction == "forward":
+
+        def ours() -> Any:
+            return scaled_dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+
+        peer = functools.partial(torch_sdpa_peer(backend), q, k, v, is_causal=causal)
+        candidates = {"ours": ours, "peer": peer, "bare": lambda: two_products(q, k, v)}
+    else:
+        g = make_inputs(backend, shape.dims, dtype)[0]
+
+        def ours() -> Any:
+            return scaled_dot_product_attention_vjp(
+                q, k, v, g, is_causal=causal, implementation=impl
+            )
+
+        candidates = {"ours": ours, "peer": _torch_backward(backend, q, k, v, g, causal)}
+    try:
+        for fn in candidates.values():  # warm-up: compilation, autotuning, caches
+            backend.synchronize(_queued(fn)())
+    except (CannotDelegateError, CannotUseTritonError) as exc:
+        raise NotImplementedError(str(exc)) from exc
+    queued = {name: _queued(fn) for name, fn in candidates.items()}
+    rounds = interleaved_times(queued, backend.synchronize, ROUNDS, warmup=0)
+    medians = {name: statistics.median(times) / REPS for name, times in rounds.items()}
+    return {"flops": shape.flops * (2.5 if direction == "vjp" else 1.0), **medians}
+
+
+def _torch_backward(backend: Any, q: Any, k: Any, v: Any, g: Any, causal: bool) -> Any:
+    """torch's autograd backward of its own SDPA on the same memory (the graph kept)."""
+    import torch
+
+    as_torch = torch.from_dlpack
+    leaves = [as_torch(x).detach().requires_grad_() for x in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+    grad = as_torch(g)
+    return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
+
+
+class _Tracks:
+    direction = "forward"
+
+    def setup(self, backend_id: str, impl: str, dtype: str, shape_text: str) -> None:
+        self.m = _measure(self.direction, backend_id, impl, dtype, shape_text)
+
+    def track_tflops(self, *params: str) -> float:
+        return self.m["flops"] / self.m["ours"] / 1e12
+
+    def track_ratio_vs_torch_sdpa(self, *params: str) -> float:
+        return self.m["peer"] / self.m["ours"]
+
+
+class GPUForward(_Tracks):
+    """Forward calls on a GPU."""
+
+    params = (GPU_BACKENDS, GPU_IMPLEMENTATIONS, GPU_DTYPES, GPU_SHAPES)
+    param_names: ClassVar[list[str]] = ["backend", "implementation", "dtype", "shape"]
+    timeout = 600
+
+    def track_gemm_bound_fraction(self, *params: str) -> float:
+        return self.m["bare"] / self.m["ours"]
+
+
+class GPUVJP(_Tracks):
+    """``scaled_dot_product_attention_vjp`` on a GPU, against torch's autograd backward."""
+
+    direction = "vjp"
+    params = (GPU_BACKENDS, VJP_IMPLEMENTATIONS, GPU_DTYPES, GPU_SHAPES)
+    param_names: ClassVar[list[str]] = ["backend", "implementation", "dtype", "shape"]
+    timeout = 600
