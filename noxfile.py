@@ -42,7 +42,13 @@ TEST_SESSIONS = {
 
 
 #: Sessions that run triton's interpreter, and the test files they run (by default).
-INTERPRETED_SESSIONS = {"tests-triton": ["tests/test_triton.py", "tests/test_dispatch_gpu.py"]}
+INTERPRETED_SESSIONS = {
+    "tests-triton": [
+        "tests/test_triton.py",
+        "tests/test_triton_dispatch.py",
+        "tests/test_dispatch_gpu.py",
+    ]
+}
 
 #: The session that also runs the docstrings' examples: they use NumPy, and the example of
 #: ``sdpa_array.lab.figures`` matplotlib, which the ``plot`` extra installs.

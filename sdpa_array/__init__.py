@@ -19,18 +19,23 @@ from . import mods
 from ._api import scaled_dot_product_attention
 from ._api_vjp import scaled_dot_product_attention_vjp
 from ._block_mask import BlockMask, create_block_mask
+from ._explain import Explanation, explain
 from ._kernels.dropout import dropout_keep_mask
 from ._kernels.native import CannotDelegateError
 from ._kernels.parallel import get_num_threads, set_num_threads
+from ._kernels.triton import CannotUseTritonError
 from ._kv_cache import attention_with_kv_cache
 from ._merge import merge_attention_states
 
 __all__ = [
     "BlockMask",
     "CannotDelegateError",
+    "CannotUseTritonError",
+    "Explanation",
     "attention_with_kv_cache",
     "create_block_mask",
     "dropout_keep_mask",
+    "explain",
     "get_num_threads",
     "merge_attention_states",
     "mods",
@@ -40,6 +45,7 @@ __all__ = [
 ]
 
 CannotDelegateError.__module__ = __name__  # shown as sdpa_array.CannotDelegateError
+CannotUseTritonError.__module__ = __name__
 
 try:
     __version__ = version("sdpa_array")

@@ -18,7 +18,8 @@ log-sum-exp nor the kernel's backward.
   compositions work. The backward kernel is written with differentiable torch operations
   and changes no tensor that takes part in autograd in place, so when a graph is being
   created (``create_graph=True``, ``torch.func.grad`` of a gradient) the gradients are
-  themselves differentiable: double backward is exact.
+  themselves differentiable: double backward is exact. A fused kernel's backward (the
+  Triton one) builds no graph: then the blocked backward kernel runs instead.
 * JAX: a ``jax.custom_vjp``, which works under ``jit``, ``vmap`` and ``grad`` (reverse
   mode, to any order). A ``custom_vjp`` has no forward mode: under ``jax.jvp`` or
   ``jax.jacfwd``, a call that ``implementation="auto"`` sent to the blocked path runs the
@@ -85,7 +86,7 @@ def _torch_backward_choice(
     if choice.name == "native" and return_lse:
         delegation = plan_native(p, Request(x, False, True))
         if not (delegation.lse_differentiable and delegation.twice_differentiable):
-            return choose(p, "auto")
+            return choose(p, "auto", vjp_inputs=x, lse_cotangent=True)
     return None
 
 
@@ -171,7 +172,12 @@ def _torch_function() -> Any:
                 grad_out = torch.zeros_like(out)
             x = Inputs(query, key, value, mask, bias, scale, sinks)
             p = _with_scale(ctx.p, scale)
-            grads = _gradients(ctx.backward_choice, p, x, out, lse, grad_out, grad_lse)
+            choice = ctx.backward_choice
+            if torch.is_grad_enabled() and not choice.row.differentiable_backward:
+                # a graph of the gradients is being built (double backward): a fused
+                # kernel's gradients have none, so the blocked kernel computes them
+                choice = Choice("blocked")
+            grads = _gradients(choice, p, x, out, lse, grad_out, grad_lse)
             return (*grads, None, None, None, None)
 
     return OwnBackward

@@ -90,12 +90,18 @@ class Row:
         Whether torch and JAX differentiate it through its backward kernel (an opaque
         operation that saves only inputs, output and log-sum-exp) rather than through their
         own autodiff of its forward, which would keep every tile for the backward pass.
+    differentiable_backward : bool
+        Whether its backward kernel is written with the library's differentiable
+        operations, so that its gradients can be differentiated again (double backward);
+        where not (fused kernels), the autograd wrapper runs the blocked backward kernel
+        when a graph of the gradients is being built.
     """
 
     forward: ForwardKernel
     backward: BackwardKernel | None
     takes_blocks: bool = False
     own_autograd: bool = False
+    differentiable_backward: bool = True
 
 
 #: The implementations by name.
@@ -103,7 +109,7 @@ IMPLEMENTATIONS: dict[str, Row] = {
     "materialized": Row(materialized_attention, materialized_vjp),
     "blocked": Row(blocked_attention, blocked_vjp, takes_blocks=True, own_autograd=True),
     "native": Row(native_attention, native_vjp),
-    "triton": Row(triton_attention, triton_vjp, own_autograd=True),
+    "triton": Row(triton_attention, triton_vjp, own_autograd=True, differentiable_backward=False),
     "dask": Row(dask_attention, dask_vjp, takes_blocks=True),
 }
 
@@ -173,7 +179,7 @@ class Choice:
     automatic: bool = False
     block_q: int | None = None
     block_k: int | None = None
-    why: tuple[str, ...] = ()
+    why: tuple[str, ...] = field(default=(), compare=False)
     planned: tuple[Request, Delegation] | None = field(default=None, compare=False, repr=False)
 
     @property

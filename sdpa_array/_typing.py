@@ -26,10 +26,14 @@ Array: TypeAlias = Any
 Alignment: TypeAlias = Literal["top_left", "bottom_right"]
 
 #: The ``implementation=`` choices of the forward pass.
-ImplementationName: TypeAlias = Literal["auto", "materialized", "blocked", "native", "dask"]
+ImplementationName: TypeAlias = Literal[
+    "auto", "materialized", "blocked", "native", "triton", "dask"
+]
 
 #: The ``implementation=`` choices of the VJP.
-VJPImplementationName: TypeAlias = Literal["auto", "materialized", "blocked", "native", "dask"]
+VJPImplementationName: TypeAlias = Literal[
+    "auto", "materialized", "blocked", "native", "triton", "dask"
+]
 
 #: A mask function ``mask_mod(batch, head, q_idx, kv_idx) -> boolean array``.
 MaskMod: TypeAlias = Callable[[Any, Any, Any, Any], Any]

@@ -185,6 +185,15 @@ def test_the_stated_rules_are_about_native_libraries():
         assert dtypes - set(refused), f"{library}: native would never delegate"
 
 
+def cuda_kernel_terms(backend) -> dict[str, bool]:
+    """The bound terms of torch's fused CUDA kernels, which run in the caller's dtype: a
+    softmax in base 2 with the GPU's approximate ``exp2``, and the probabilities and score
+    gradients rounded to the inputs' dtype before their products, as FlashAttention does
+    (:mod:`sdpa_array.testing.bounds`). None elsewhere (the kernels compute in float32)."""
+    on_cuda = backend.library == "torch" and backend.device == "cuda"
+    return {"base2": True, "rounded_operands": True} if on_cuda else {}
+
+
 def lse_kernel(backend, dtype: str, *, terms: bool = False) -> str | None:
     """The kernel that must return the log-sum-exp (``None``: every kernel refuses)."""
     if backend.library == "jax":
@@ -426,6 +435,7 @@ def test_native_vjp_matches_oracle(
         mask=mask,
         bias=bias,
         implementation="native",
+        bound_terms=cuda_kernel_terms(backend),
         **options,
     )
     assert called == [TORCH_PUBLIC if backend.library == "torch" else JAX]

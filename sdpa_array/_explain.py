@@ -1,0 +1,144 @@
+"""``explain``: which implementation (and native kernel) a call runs, and why.
+
+It validates the call exactly as :func:`~sdpa_array.scaled_dot_product_attention` does and
+asks the dispatcher the same question, without running anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._dispatch import Choice, choose
+from ._kernels.native import CannotDelegateError, Request, plan_native, plan_native_vjp
+from ._problem import Inputs, check_flag, validate
+from ._typing import Array
+
+__all__ = ["Explanation", "explain"]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What :func:`explain` found.
+
+    Attributes
+    ----------
+    forward, vjp : str
+        The implementation of the forward call and of
+        :func:`~sdpa_array.scaled_dot_product_attention_vjp` with the same arguments
+        (``"auto"`` resolved).
+    forward_kernel, vjp_kernel : str or None
+        The native kernel each delegates to (``None`` when not native).
+    automatic : bool
+        Whether ``implementation="auto"`` chose them.
+    forward_why, vjp_why : tuple of str
+        For an automatic choice, why each implementation ``"auto"`` prefers was passed over.
+    """
+
+    forward: str
+    vjp: str
+    forward_kernel: str | None
+    vjp_kernel: str | None
+    automatic: bool
+    forward_why: tuple[str, ...]
+    vjp_why: tuple[str, ...]
+
+    def __str__(self) -> str:
+        lines = []
+        for what, name, kernel, why in (
+            ("forward", self.forward, self.forward_kernel, self.forward_why),
+            ("vjp", self.vjp, self.vjp_kernel, self.vjp_why),
+        ):
+            lines.append(f"{what}: {name}" + (f" ({kernel})" if kernel else ""))
+            lines.extend(f"  passed over: {reason}" for reason in why)
+        return "\n".join(lines)
+
+
+def _kernel(choice: Choice, plan: Any) -> str | None:
+    if choice.name != "native":
+        return None
+    try:
+        return str(plan().kernel)
+    except CannotDelegateError:
+        return None
+
+
+def explain(
+    query: Array,
+    key: Array,
+    value: Array,
+    /,
+    *,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    implementation: str = "auto",
+    block_q: int | None = None,
+    block_k: int | None = None,
+    **options: Any,
+) -> Explanation:
+    """Which implementation a call of :func:`~sdpa_array.scaled_dot_product_attention` (and
+    of its VJP) runs, the native kernel it delegates to, and why ``"auto"`` passed over the
+    implementations it prefers. Nothing is computed.
+
+    Parameters
+    ----------
+    query, key, value : array
+        As for :func:`~sdpa_array.scaled_dot_product_attention`.
+    return_weights, return_lse, implementation, block_q, block_k
+        As for :func:`~sdpa_array.scaled_dot_product_attention` (the VJP is explained with
+        the same ``implementation`` where it has it, else ``"auto"``).
+    **options
+        The call's other keyword arguments (``mask``, ``bias``, ``is_causal``, ...).
+
+    Returns
+    -------
+    Explanation
+        Printable (``print(sdpa_array.explain(q, k, v))``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As the call itself would, before any work.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import sdpa_array
+    >>> q = np.zeros((2, 8, 4))
+    >>> print(sdpa_array.explain(q, q, q, is_causal=True))  # doctest: +ELLIPSIS
+    forward: materialized
+      passed over: implementation='native' has no kernel for numpy arrays; ...
+    vjp: materialized
+      passed over: native: the library's own backward kernels are used off a GPU
+    """
+    defaults: dict[str, Any] = {
+        "mask": None,
+        "bias": None,
+        "is_causal": False,
+        "window": None,
+        "alignment": "top_left",
+        "scale": None,
+        "softcap": None,
+        "enable_gqa": False,
+    }
+    p = validate(query, key, value, **{**defaults, **options})
+    check_flag("return_weights", return_weights)
+    check_flag("return_lse", return_lse)
+    mask, bias, sinks = (options.get(name) for name in ("mask", "bias", "sinks"))
+    x = Inputs(query, key, value, mask, bias, p.scale if p.scale_is_array else None, sinks)
+    request = Request(x, return_weights, return_lse)
+    blocks = (block_q, block_k)
+    forward = choose(p, implementation, blocks, request=request)
+    try:
+        vjp = choose(p, implementation, blocks, vjp_inputs=x)
+    except ValueError:  # an implementation the VJP lacks, or one that refuses it
+        vjp = choose(p, "auto", vjp_inputs=x)
+    return Explanation(
+        forward=forward.name,
+        vjp=vjp.name,
+        forward_kernel=_kernel(forward, lambda: plan_native(p, request)),
+        vjp_kernel=_kernel(vjp, lambda: plan_native_vjp(p, x)),
+        automatic=forward.automatic,
+        forward_why=forward.why,
+        vjp_why=vjp.why,
+    )

@@ -1,0 +1,121 @@
+"""``"auto"`` on a GPU and :func:`sdpa_array.explain`, checked on the CPU.
+
+The dispatcher decides from the validated :class:`~sdpa_array._problem.Problem`; a problem
+marked ``on_gpu`` (as arrays on a GPU would make it) shows the GPU rule on any machine.
+Nothing runs: only plans are made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import sdpa_array
+from sdpa_array import _dispatch
+from sdpa_array._kernels.native import Request
+from sdpa_array._kernels.triton import CannotUseTritonError, plan_triton
+from sdpa_array._problem import Inputs, validate
+
+DEFAULTS = {
+    "mask": None,
+    "bias": None,
+    "is_causal": False,
+    "window": None,
+    "alignment": "top_left",
+    "scale": None,
+    "softcap": None,
+    "enable_gqa": False,
+}
+
+
+def gpu_choice(backend, q_shape, k_shape, *, return_lse=False, **options):
+    """``"auto"``'s choice (forward, VJP) for a call marked as on a GPU."""
+    q = backend.asarray(np.zeros(q_shape), "float16")
+    k = backend.asarray(np.zeros(k_shape), "float16")
+    p = validate(q, k, k, **{**DEFAULTS, **options})
+    p = dataclasses.replace(p, on_gpu=True)
+    x = Inputs(q, k, k, options.get("mask"), options.get("bias"), None, options.get("sinks"))
+    forward = _dispatch.choose(p, "auto", request=Request(x, False, return_lse))
+    vjp = _dispatch.choose(p, "auto", vjp_inputs=x)
+    return p, x, forward, vjp
+
+
+def triton_runs(p, x) -> bool:
+    """Whether the Triton kernels would take the call here (triton installed, and under
+    its interpreter for CPU tensors)."""
+    try:
+        plan_triton(p, x)
+    except CannotUseTritonError:
+        return False
+    return True
+
+
+def test_torch_native_first_on_a_gpu(torch_backend):
+    _, _, forward, vjp = gpu_choice(torch_backend, (2, 4, 64, 16), (2, 4, 64, 16), is_causal=True)
+    assert (forward.name, vjp.name) == ("native", "native")
+    assert not forward.why
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"is_causal": True, "alignment": "bottom_right"},  # L != S: a mask would be built
+        {"window": (8, 0)},
+        {"softcap": 5.0},
+    ],
+    ids=["causal-bottom-right", "window", "softcap"],
+)
+def test_triton_where_torch_cannot_on_a_gpu(torch_backend, options):
+    """Where torch's kernels would need a built mask or cannot compute the call, ``"auto"``
+    takes the Triton kernels when they run here, and says why native was passed over."""
+    p, x, forward, vjp = gpu_choice(torch_backend, (2, 4, 32, 16), (2, 4, 96, 16), **options)
+    expected = "triton" if triton_runs(p, x) else ("materialized", "native")
+    if expected == "triton":
+        assert forward.name == vjp.name == "triton"
+    else:  # the reason the Triton kernels were passed over is given
+        assert forward.name in expected
+        assert any(reason.startswith("triton: ") for reason in forward.why)
+    assert any("native" in reason or "softcap" in reason for reason in forward.why)
+
+
+def test_autograd_lse_cotangent_never_takes_the_native_backward(torch_backend):
+    """A backward that receives a log-sum-exp cotangent cannot use torch's kernels."""
+    q = torch_backend.asarray(np.zeros((2, 4, 64, 16)), "float16")
+    p = dataclasses.replace(validate(q, q, q, **DEFAULTS), on_gpu=True)
+    choice = _dispatch.choose(p, "auto", vjp_inputs=Inputs(q, q, q), lse_cotangent=True)
+    assert choice.name != "native"
+    assert any("log-sum-exp cotangent" in reason for reason in choice.why)
+
+
+def test_cpu_rule_unchanged(torch_backend):
+    """Off a GPU the Triton kernels are never chosen automatically."""
+    q = torch_backend.asarray(np.zeros((2, 4, 32, 16)), "float32")
+    k = torch_backend.asarray(np.zeros((2, 4, 96, 16)), "float32")
+    explanation = sdpa_array.explain(q, k, k, softcap=3.0)
+    assert explanation.forward == "materialized"
+    assert "softcap" in " ".join(explanation.forward_why)
+    assert explanation.vjp == "materialized"
+    assert any(reason.startswith("triton: ") for reason in explanation.vjp_why)
+
+
+def test_explain_names_the_native_kernel(torch_backend):
+    q = torch_backend.asarray(np.zeros((2, 4, 32, 16)), "float32")
+    explanation = sdpa_array.explain(q, q, q, return_lse=True)
+    assert explanation.forward == "native"
+    assert explanation.forward_kernel == (
+        "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu"
+    )
+    text = str(explanation)
+    assert text.startswith("forward: native (torch.ops.aten.")
+    assert "vjp: " in text
+
+
+def test_explain_validates_like_the_call(backend):
+    q = backend.asarray(np.zeros((2, 4, 8)), "float32")
+    k = backend.asarray(np.zeros((2, 5, 7)), "float32")
+    with pytest.raises(ValueError, match="E"):
+        sdpa_array.explain(q, k, k)
+    with pytest.raises(ValueError, match="implementation"):
+        sdpa_array.explain(q, q, q, implementation="fastest")
