@@ -208,6 +208,14 @@ def score_terms(p: Problem, mask: Any, bias: Any, *, merge: bool) -> Terms:
             finite = bias != neg_inf
             ok = finite if ok is None else xp.logical_and(ok, finite)
         row_ok = xp.any(ok, axis=-1, keepdims=True)
+        # A row with no admissible key would give the kernels' softmax (and its backward)
+        # 0/0: such rows attend every key with a zero bias instead, so that no NaN arises,
+        # and :func:`fix_empty_rows` replaces their output; their cotangent is then zero,
+        # and so are their contributions to every gradient.
+        if allowed is not None:
+            allowed = xp.logical_or(allowed, xp.logical_not(row_ok))
+        if bias is not None:
+            bias = xp.where(row_ok, bias, xp.asarray(0.0, dtype=dtype, device=p.device))
     if merge and allowed is not None:
         zero = xp.asarray(0.0, dtype=dtype, device=p.device)
         bias, allowed = xp.where(allowed, zero if bias is None else bias, neg_inf), None

@@ -223,10 +223,9 @@ def _weights(p: Problem, x: Inputs, lse: Array) -> Array:
 def triton_attention(
     p: Problem, x: Inputs, *, return_weights: bool, return_lse: bool
 ) -> AttentionResult:
-    """Attention by the Triton forward kernel (the contract of
-    :class:`sdpa_array._dispatch.ForwardKernel`).
+    """Attention fused in one Triton kernel (GPU); memory ``O(L)`` beyond the output.
 
-    ``out`` comes in the inputs' dtype (float32 accumulation) and ``lse`` in float32. With
+    The contract of :class:`sdpa_array._dispatch.ForwardKernel`. ``out`` comes in the inputs' dtype (float32 accumulation) and ``lse`` in float32. With
     ``return_weights`` the weights are formed afterwards as ``exp(scores - lse)`` by the
     shared score code (the whole score matrix, as the weights are).
 
