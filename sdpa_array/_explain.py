@@ -110,6 +110,7 @@ def explain(
       passed over: implementation='native' has no kernel for numpy arrays; ...
     vjp: materialized
       passed over: native: the library's own backward kernels are used off a GPU
+      passed over: triton: auto uses the Triton kernels on a GPU only
     """
     defaults: dict[str, Any] = {
         "mask": None,
