@@ -225,9 +225,10 @@ def triton_attention(
 ) -> AttentionResult:
     """Attention fused in one Triton kernel (GPU); memory ``O(L)`` beyond the output.
 
-    The contract of :class:`sdpa_array._dispatch.ForwardKernel`. ``out`` comes in the inputs' dtype (float32 accumulation) and ``lse`` in float32. With
-    ``return_weights`` the weights are formed afterwards as ``exp(scores - lse)`` by the
-    shared score code (the whole score matrix, as the weights are).
+    The contract of :class:`sdpa_array._dispatch.ForwardKernel`. ``out`` comes in the
+    inputs' dtype (float32 accumulation) and ``lse`` in float32. With ``return_weights``
+    the weights are formed afterwards as ``exp(scores - lse)`` by the shared score code
+    (the whole score matrix, as the weights are).
 
     Raises
     ------
