@@ -14,7 +14,7 @@ import pytest
 
 import sdpa_array
 from sdpa_array import _dispatch
-from sdpa_array._kernels.native import Request
+from sdpa_array._kernels.native import Request, plan_native
 from sdpa_array._kernels.triton import CannotUseTritonError, plan_triton
 from sdpa_array._problem import Inputs, validate
 
@@ -119,3 +119,40 @@ def test_explain_validates_like_the_call(backend):
         sdpa_array.explain(q, k, k)
     with pytest.raises(ValueError, match="implementation"):
         sdpa_array.explain(q, q, q, implementation="fastest")
+
+
+def _plan_lse_on_cuda(backend, dtype, E, options, bias):
+    q = backend.asarray(np.zeros((2, 4, 24, E)), dtype)
+    b = backend.asarray(np.zeros((24, 24)), dtype) if bias else None
+    p = dataclasses.replace(validate(q, q, q, **{**DEFAULTS, "bias": b, **options}), on_gpu=True)
+    return plan_native(p, Request(Inputs(q, q, q, None, b), False, True))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "E", "options", "bias", "kernel"),
+    [
+        ("float16", 64, {"is_causal": True}, False, "_scaled_dot_product_cudnn_attention"),
+        ("bfloat16", 4, {}, False, "_scaled_dot_product_cudnn_attention"),  # padded to 8
+        ("float16", 192, {}, False, "_scaled_dot_product_flash_attention"),  # cuDNN: <= 128
+        ("float16", 64, {}, True, "_scaled_dot_product_efficient_attention"),
+        ("float16", 64, {"window": (3, 0)}, False, "_scaled_dot_product_efficient_attention"),
+        ("float32", 64, {}, False, "_scaled_dot_product_efficient_attention"),
+    ],
+)
+def test_cuda_kernels_returning_the_lse(torch_backend, dtype, E, options, bias, kernel):
+    """Which of torch's CUDA kernels returns the log-sum-exp (planned, not run): cuDNN for
+    half precision without a mask or bias, flash for head dims cuDNN does not take, the
+    memory-efficient kernel for masks, biases and float32."""
+    delegation = _plan_lse_on_cuda(torch_backend, dtype, E, options, bias)
+    assert delegation.kernel == f"torch.ops.aten.{kernel}"
+    assert not delegation.lse_differentiable  # autograd runs our backward for the lse
+    assert delegation.builds_mask == ("window" in options)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "E", "reason"),
+    [("float64", 64, "computes float64"), ("float16", 320, "head dims up to 256")],
+)
+def test_no_cuda_kernel_returns_this_lse(torch_backend, dtype, E, reason):
+    with pytest.raises(sdpa_array.CannotDelegateError, match=reason):
+        _plan_lse_on_cuda(torch_backend, dtype, E, {}, False)

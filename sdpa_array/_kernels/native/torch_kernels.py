@@ -86,7 +86,7 @@ def _torch_cpu_flash() -> Any:
 def plan_torch_cpu_flash(p: Problem, req: Request) -> Delegation:
     """torch's CPU flash-attention kernel, which also returns the log-sum-exp."""
     common_checks(p)
-    if str(p.device) != "cpu":
+    if on_cuda(p) or str(p.device) != "cpu":
         raise refuse(f"it runs on the CPU only (device {p.device})")
     if p.Ev != p.E:
         raise refuse(f"it needs Ev == E (got E={p.E}, Ev={p.Ev})")
