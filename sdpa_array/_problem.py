@@ -362,8 +362,8 @@ def validate(
         ``dropout_seed`` that is not an int.
     ValueError
         Inconsistent shapes or out-of-range options (a ``scale`` array's value only where it
-        can be read: not on lazy Dask arrays or JAX tracers); the message names both. Also
-        ``dropout_p`` outside ``[0, 1)``, or above 0 without ``dropout_seed``. A
+        can be read: not on lazy Dask arrays, JAX tracers or GPU arrays); the message names
+        both. Also ``dropout_p`` outside ``[0, 1)``, or above 0 without ``dropout_seed``. A
         ``mask_mod``/``bias_mod`` that is not callable, or that raises or returns a wrong
         result on a probe index (see :mod:`sdpa_array._mod_args`).
     """
