@@ -24,7 +24,6 @@ from ._kernels.native import (
     Request,
     native_attention,
     native_vjp,
-    on_cuda,
     plan_native,
     plan_native_vjp,
 )
@@ -301,7 +300,7 @@ def _native_vjp_reason(p: Problem, x: Inputs | None, lse_cotangent: bool) -> str
         return "native: a log-sum-exp cotangent, which torch's backward kernels cannot take"
     if x is None:
         return "native: the VJP was planned without the caller's arrays"
-    if not on_cuda(p):
+    if not p.on_gpu:
         return "native: the library's own backward kernels are used off a GPU"
     try:
         delegation = plan_native_vjp(p, x)

@@ -44,7 +44,6 @@ from .delegation import (
     NativeKernel,
     Request,
     kernel_dtype,
-    on_cuda,
 )
 from .jax_kernel import plan_jax
 from .torch_kernels import (
@@ -63,7 +62,6 @@ __all__ = [
     "kernel_dtype",
     "native_attention",
     "native_vjp",
-    "on_cuda",
     "plan_native",
     "plan_native_vjp",
 ]

@@ -33,7 +33,6 @@ __all__ = [
     "from_four_d",
     "kernel_causal",
     "kernel_dtype",
-    "on_cuda",
     "refuse",
     "scale_option",
     "score_terms",
@@ -142,15 +141,10 @@ def common_checks(p: Problem) -> None:
             raise refuse(reason)
 
 
-def on_cuda(p: Problem) -> bool:
-    """Whether the call's arrays live on a CUDA device."""
-    return p.on_gpu
-
-
 def kernel_dtype(p: Problem) -> Any:
     """The dtype a native kernel computes in: the caller's on a CUDA device, else the compute
     dtype (float32 for float16/bfloat16 inputs)."""
-    return p.dtype if on_cuda(p) else p.compute_dtype
+    return p.dtype if p.on_gpu else p.compute_dtype
 
 
 @dataclass(frozen=True)

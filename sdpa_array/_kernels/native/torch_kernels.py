@@ -23,7 +23,6 @@ from .delegation import (
     four_d_term,
     from_four_d,
     kernel_causal,
-    on_cuda,
     refuse,
     scale_option,
     score_terms,
@@ -86,7 +85,7 @@ def _torch_cpu_flash() -> Any:
 def plan_torch_cpu_flash(p: Problem, req: Request) -> Delegation:
     """torch's CPU flash-attention kernel, which also returns the log-sum-exp."""
     common_checks(p)
-    if on_cuda(p) or str(p.device) != "cpu":
+    if p.on_gpu or str(p.device) != "cpu":
         raise refuse(f"it runs on the CPU only (device {p.device})")
     if p.Ev != p.E:
         raise refuse(f"it needs Ev == E (got E={p.E}, Ev={p.Ev})")
@@ -132,7 +131,7 @@ CUDA_LSE_KERNELS = (_CUDNN, _FLASH, _EFFICIENT)
 def _cuda_lse_checks(p: Problem, req: Request, kernel: str) -> None:
     """The conditions every CUDA kernel returning the log-sum-exp shares."""
     common_checks(p)
-    if not on_cuda(p):
+    if not p.on_gpu:
         raise refuse(f"it runs on CUDA devices only (device {p.device})")
     if p.Ev != p.E:
         raise refuse(f"it needs Ev == E (got E={p.E}, Ev={p.Ev})")

@@ -25,20 +25,19 @@ class CannotUseTritonError(ValueError):
     """The Triton kernels cannot compute this call exactly (the message says why)."""
 
 
-def _device_reason(lib: str, query: object) -> str | None:
+def _device_reason(p: Problem, lib: str) -> str | None:
     """Why the arrays' device does not suit the kernels, or ``None``."""
     if interpreting():
-        on_cpu = lib == "torch" and getattr(getattr(query, "device", None), "type", None) == "cpu"
-        if not on_cpu:
+        if lib != "torch" or p.on_gpu or str(p.device) != "cpu":
             return (
                 "triton's interpreter (TRITON_INTERPRET=1) runs the kernels on CPU torch "
-                f"tensors only, got {lib} arrays on {getattr(query, 'device', None)}"
+                f"tensors only, got {lib} arrays on {p.device}"
             )
         return None
-    if lib == "torch" and getattr(getattr(query, "device", None), "type", None) != "cuda":
+    if not p.on_gpu:
         return (
             "the Triton kernels run on a CUDA device (or under TRITON_INTERPRET=1 on the "
-            f"CPU), got torch tensors on {query.device}"  # type: ignore[attr-defined]
+            f"CPU), got {lib} arrays on {p.device}"
         )
     return None
 
@@ -84,7 +83,7 @@ def plan_triton(p: Problem, x: Inputs) -> None:
         raise CannotUseTritonError(
             f"the Triton kernels take torch tensors or CuPy arrays, got {lib} arrays"
         )
-    reason = _device_reason(lib, x.query)
+    reason = _device_reason(p, lib)
     if reason is not None:
         raise CannotUseTritonError(reason)
     if lib == "torch" and _functorch_wrapped(x):
