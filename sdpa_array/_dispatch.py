@@ -170,8 +170,8 @@ class Choice:
         For an automatic choice, why each implementation ``"auto"`` prefers to it was
         passed over (what :func:`sdpa_array.explain` shows).
     planned : (Request, Delegation) or None
-        The native kernel's call as ``"auto"`` planned it for one request: a forward call
-        with that request's very inputs and flags runs it without planning again.
+        The native kernel's call as :func:`choose` planned it for one request: a forward
+        call with that request's very inputs and flags runs it without planning again.
     """
 
     name: str
@@ -282,8 +282,9 @@ def choose(
         return Choice(name, True, *blocks, why=why, planned=planned)
     if implementation == "native":  # raises CannotDelegateError before any work
         if request is not None:
-            plan_native(p, request)
-        elif vjp_inputs is not None:
+            planned = (request, plan_native(p, request))
+            return Choice(implementation, False, *blocks, planned=planned)
+        if vjp_inputs is not None:
             plan_native_vjp(p, vjp_inputs)
     if implementation == "triton":  # raises CannotUseTritonError before any work
         x = request.inputs if request is not None else vjp_inputs

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ._dispatch import Choice, choose
-from ._kernels.native import CannotDelegateError, Request, plan_native, plan_native_vjp
+from ._dispatch import choose
+from ._kernels.native import Request, plan_native_vjp
 from ._problem import Inputs, check_flag, validate
 from ._typing import Array
 
@@ -52,15 +52,6 @@ class Explanation:
             lines.append(f"{what}: {name}" + (f" ({kernel})" if kernel else ""))
             lines.extend(f"  passed over: {reason}" for reason in why)
         return "\n".join(lines)
-
-
-def _kernel(choice: Choice, plan: Any) -> str | None:
-    if choice.name != "native":
-        return None
-    try:
-        return str(plan().kernel)
-    except CannotDelegateError:
-        return None
 
 
 def explain(
@@ -137,8 +128,8 @@ def explain(
     return Explanation(
         forward=forward.name,
         vjp=vjp.name,
-        forward_kernel=_kernel(forward, lambda: plan_native(p, request)),
-        vjp_kernel=_kernel(vjp, lambda: plan_native_vjp(p, x)),
+        forward_kernel=None if forward.planned is None else forward.planned[1].kernel,
+        vjp_kernel=plan_native_vjp(p, x).kernel if vjp.name == "native" else None,
         automatic=forward.automatic,
         forward_why=forward.why,
         vjp_why=vjp.why,

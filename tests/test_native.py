@@ -525,3 +525,21 @@ def test_auto_rule(eager_backend):  # Dask: tests/test_dask_graph.py (auto build
     assert chosen(backend, large, large, large, is_causal=True) == (
         "native" if torch else "blocked"
     )
+
+
+@pytest.mark.parametrize("implementation", ["native", "auto"])
+def test_a_call_plans_its_native_kernel_once(native_backend, monkeypatch, implementation):
+    """The dispatcher's plan is the one that runs: the delegation table is asked once."""
+    plans = []
+    rows = []
+    for row in native.NATIVE_KERNELS:
+
+        def counted(p, req, plan=row.plan, kernel=row.kernel):
+            plans.append(kernel)
+            return plan(p, req)
+
+        rows.append(native.NativeKernel(row.kernel, row.library, counted))
+    monkeypatch.setattr(native, "NATIVE_KERNELS", tuple(rows))
+    q = native_backend.asarray(np.zeros((2, 4, 3)), "float32")
+    sdpa_array.scaled_dot_product_attention(q, q, q, implementation=implementation)
+    assert plans == [TORCH_PUBLIC if native_backend.library == "torch" else JAX]
