@@ -367,9 +367,8 @@ def _automatic(
         delegation = None
         why.append(str(exc))
     if delegation is not None:
-        if not (large or p.on_gpu) or not (
-            delegation.builds_mask or not delegation.memory_efficient
-        ):
+        costly = delegation.builds_mask or not delegation.memory_efficient
+        if not costly or not (large or p.on_gpu):
             return "native", tuple(why), delegation
         why.append(
             f"native: {delegation.kernel} would "

@@ -46,9 +46,8 @@ TILE_BYTES = 2**20
 
 #: On a GPU, the score tile of every batch element and head together: each launch does a
 #: lot of work (one batched product over the whole batch per tile, no Python loop over
-#: batch, heads or small tiles), within a memory budget far below a GPU's memory: the
-#: blocked path's peak is a few tiles (543 MiB with 256 MiB tiles at L = S = 32768, one
-#: head, float16, causal, on an H200; docs/performance.md).
+#: batch, heads or small tiles), within a memory budget far below a GPU's memory (the
+#: blocked path's peak is a few tiles; docs/performance.md has the measurement).
 GPU_TILE_BYTES = 2**26
 
 #: On a GPU, the longest key block: a tile covers all keys up to this length, so each
@@ -293,9 +292,8 @@ def plan_backward(
     """
     bq, bk = choose_block_sizes(p, block_q, block_k)  # also validates the overrides
     budget = TILE_BYTES // p.itemsize
-    if plans_for_gpu(p):  # the forward's blocks already hold whole rows of the batch
-        budget = 0
-    if block_k is None and budget >= p.S * MIN_ROWS:
+    # on a GPU the forward's blocks already hold whole rows of the whole batch
+    if block_k is None and not plans_for_gpu(p) and budget >= p.S * MIN_ROWS:
         bk = p.S
         bq = min(block_q or balanced(p.L, max(BLOCK_ALIGN, budget // p.S)), p.L)
     grid = bk if block_k is not None or not r.bounds_keys else min(bk, GRID_RESTRICTED)
