@@ -93,7 +93,7 @@ def _cases(args: argparse.Namespace) -> list[dict[str, Any]]:
         cupy = None
     dev = torch.device("cuda")
     out: list[dict[str, Any]] = []
-    shapes = QUICK_SHAPES if args.quick else SHAPES
+    shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
     for B, H, L, E in shapes:
         for dtype_name in args.dtypes:
             dt = getattr(torch, dtype_name)
@@ -183,9 +183,14 @@ def _case(name: str, ours: Callable, peer: Callable, bare: Callable | None, fl: 
     return {"name": name, "ours": ours, "peer": peer, "bare": bare, "flops": fl}
 
 
-def _run(cases: list[dict[str, Any]], rounds: int, reps: int) -> list[dict[str, Any]]:
-    rows = []
+def _run(
+    cases: list[dict[str, Any]], rounds: int, reps: int, report: Callable[[list], None]
+) -> list[dict[str, Any]]:
+    """Time every case; ``report(rows)`` is called after each row (a partial result
+    survives a run cut short)."""
+    rows: list[dict[str, Any]] = []
     for case in cases:
+        report(rows)
         ours_t, peer_t, bare_t = [], [], []
         try:
             for _ in range(rounds):  # interleaved: ours, peer, bare in every round
@@ -245,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES))
     parser.add_argument(
+        "--shapes",
+        nargs="+",
+        type=lambda s: tuple(int(n) for n in s.split("x")),
+        help="BxHxLxE shapes (default: all of SHAPES)",
+    )
+    parser.add_argument(
         "--impls", nargs="+", default=["auto", "native", "triton", "blocked", "materialized"]
     )
     parser.add_argument("--cupy-impls", nargs="+", default=["auto", "triton", "blocked"])
@@ -280,11 +291,15 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d"),
     }
     print(json.dumps(machine), flush=True)
-    rows = _run(_cases(args), args.rounds, args.reps)
+
+    def report(rows: list, **extra: Any) -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": machine, "rows": rows, **extra}, f, indent=1)
+
     extra = {} if args.no_memory else memory_check()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine, "rows": rows, **extra}, f, indent=1)
+    rows = _run(_cases(args), args.rounds, args.reps, lambda rows: report(rows, **extra))
+    report(rows, **extra)
     return 0
 
 

@@ -12,7 +12,8 @@ shapes in the same library). The three ``track_*`` benchmarks report from that o
 measurement: TFLOP/s (``4·B·H·L·S·E`` per forward, half when causal, 2.5 times that for a
 backward), the ratio to torch's time and the fraction of the GEMM-bound limit.
 ``SDPA_BENCH_GPU_BACKENDS`` (comma-separated backend ids) replaces the GPU backends, e.g.
-with ``torch`` to try the suite on a CPU.
+with ``torch`` to try the suite on a CPU; ``SDPA_BENCH_GPU_DTYPES`` and
+``SDPA_BENCH_GPU_SHAPES`` narrow the dtypes and shapes the same way.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ GPU_SHAPES = (
     if PROFILE == "gpu"
     else ["4x16x1024x64"]
 )
+# SDPA_BENCH_GPU_DTYPES / SDPA_BENCH_GPU_SHAPES (comma-separated) narrow the grid for a
+# short device session.
+if os.environ.get("SDPA_BENCH_GPU_DTYPES"):
+    GPU_DTYPES = os.environ["SDPA_BENCH_GPU_DTYPES"].split(",")
+if os.environ.get("SDPA_BENCH_GPU_SHAPES"):
+    GPU_SHAPES = os.environ["SDPA_BENCH_GPU_SHAPES"].split(",")
 ROUNDS = 5
 REPS = 10
 #: Largest score matrix (bytes) the materialized path may form in these benchmarks.
