@@ -33,6 +33,13 @@ class Explanation:
         Whether ``implementation="auto"`` chose them.
     forward_why, vjp_why : tuple of str
         For an automatic choice, why each implementation ``"auto"`` prefers was passed over.
+    forward_fused, vjp_fused : bool
+        Whether each runs a fused GPU kernel in the inputs' dtype (the Triton kernels, or
+        a native kernel on a GPU): its softmax is in base 2 and the probabilities and score
+        gradients are rounded to the inputs' dtype before their products, as in
+        FlashAttention. Its error bound has the ``base2`` and ``rounded_operands`` terms of
+        :mod:`sdpa_array.testing.bounds`; the library's own generic kernels compute a
+        half-precision call's products in float32.
     """
 
     forward: str
@@ -42,6 +49,8 @@ class Explanation:
     automatic: bool
     forward_why: tuple[str, ...]
     vjp_why: tuple[str, ...]
+    forward_fused: bool = False
+    vjp_fused: bool = False
 
     def __str__(self) -> str:
         lines = []
@@ -133,4 +142,11 @@ def explain(
         automatic=forward.automatic,
         forward_why=forward.why,
         vjp_why=vjp.why,
+        forward_fused=_fused(forward.name, p.on_gpu),
+        vjp_fused=_fused(vjp.name, p.on_gpu),
     )
+
+
+def _fused(name: str, on_gpu: bool) -> bool:
+    """Whether implementation ``name`` runs a fused kernel in the inputs' dtype."""
+    return name == "triton" or (name == "native" and on_gpu)

@@ -32,6 +32,10 @@ import pytest
 from sdpa_array._kernels.native import NATIVE_KERNELS
 from sdpa_array.testing.backends import BACKENDS, Backend, get_backend
 
+# JAX takes 75% of a GPU's memory when it first touches it; the test workers share one GPU
+# (each would start with the rest held: CUDA, cuBLAS and CuPy ran out of memory).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 hypothesis.settings.register_profile(
     "ci",
     deadline=None,
@@ -100,6 +104,7 @@ BACKEND_FIXTURES: dict[str, BackendFixture] = {
     "backend": BackendFixture(lambda b: True),
     # the backends of one library, for tests of that library's own features
     "torch_backend": BackendFixture(lambda b: b.library == "torch"),
+    "torch_cpu_backend": BackendFixture(lambda b: b.library == "torch" and b.device == "cpu"),
     "jax_backend": BackendFixture(lambda b: b.library == "jax"),
     "autograd_backend": BackendFixture(lambda b: b.library in AUTOGRAD_LIBRARIES),
     "dask_backend": BackendFixture(lambda b: b.library == "dask"),

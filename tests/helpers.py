@@ -83,6 +83,24 @@ def _assert_unchanged(inputs: dict[str, Any], before: dict[str, np.ndarray]) -> 
         )
 
 
+CALL_ONLY = ("implementation", "block_q", "block_k")
+
+
+def ran_fused(q: Any, k: Any, v: Any, run: dict[str, Any], *, vjp: bool = False) -> bool:
+    """Whether the call ``f(q, k, v, **run)`` (its VJP, or an autograd backward through it,
+    with ``vjp``) runs a fused kernel in the inputs' dtype, as :func:`sdpa_array.explain`
+    says: the oracle's bound then has that kernel's terms."""
+    explanation = sdpa_array.explain(q, k, v, **run)
+    return explanation.vjp_fused if vjp else explanation.forward_fused
+
+
+def as_checked(q: Any, k: Any, v: Any, run: dict[str, Any], *, vjp: bool = False) -> dict:
+    """The keyword arguments of ``assert_(vjp_)close_to_oracle`` for a call made with
+    ``run``: its options, less the implementation and blocks, and ``fused``."""
+    options = {name: x for name, x in run.items() if name not in CALL_ONLY}
+    return {**options, "fused": ran_fused(q, k, v, run, vjp=vjp)}
+
+
 def check_against_oracle(
     backend: Backend,
     dtype: str,
@@ -107,6 +125,8 @@ def check_against_oracle(
     xbias = None if bias is None else backend.asarray(bias, dtype)
     inputs = {"query": xq, "key": xk, "value": xv, "mask": xmask, "bias": xbias}
     before = _snapshot(inputs)
+    run = {"mask": xmask, "bias": xbias, "implementation": implementation, **options}
+    run |= {"return_weights": return_weights, "return_lse": True}
     result = sdpa_array.scaled_dot_product_attention(
         xq,
         xk,
@@ -128,6 +148,7 @@ def check_against_oracle(
         bias=xbias,
         return_weights=return_weights,
         return_lse=True,
+        fused=ran_fused(xq, xk, xv, run),
         **options,
     )
     return result[0], (result[1] if return_weights else None), result[-1]
@@ -146,15 +167,13 @@ def check_vjp_against_oracle(
     implementation: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
-    bound_terms: dict[str, bool] | None = None,
     **options: Any,
 ) -> tuple[Any, ...]:
     """Run the library's VJP on ``backend`` in ``dtype`` and check every gradient.
 
     Inputs are rounded to ``dtype`` first and the oracle gets the rounded values
-    (:func:`sdpa_array.testing.assert_vjp_close_to_oracle`). ``bound_terms`` adds the
-    derived terms of a fused kernel to the bound (``base2``, ``rounded_operands``: see
-    :mod:`sdpa_array.testing.bounds`). Returns the gradients.
+    (:func:`sdpa_array.testing.assert_vjp_close_to_oracle`, whose bound has a fused
+    kernel's terms where the call runs one). Returns the gradients.
     """
     xq, xk, xv, xg = (backend.asarray(a, dtype) for a in (q, k, v, d_out))
     xmask = None if mask is None else backend.asarray(mask)
@@ -174,9 +193,9 @@ def check_vjp_against_oracle(
         **options,
     )
     _assert_unchanged(inputs, before)
-    assert_vjp_close_to_oracle(
-        got, xq, xk, xv, xg, mask=xmask, bias=xbias, **options, **(bound_terms or {})
-    )
+    run = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
+    run |= {"mask": xmask, "bias": xbias, **options}
+    assert_vjp_close_to_oracle(got, xq, xk, xv, xg, **as_checked(xq, xk, xv, run, vjp=True))
     return got
 
 

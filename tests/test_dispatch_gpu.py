@@ -89,10 +89,10 @@ def test_autograd_lse_cotangent_never_takes_the_native_backward(torch_backend):
     assert any("log-sum-exp cotangent" in reason for reason in choice.why)
 
 
-def test_cpu_rule_unchanged(torch_backend):
+def test_cpu_rule_unchanged(torch_cpu_backend):
     """Off a GPU the Triton kernels are never chosen automatically."""
-    q = torch_backend.asarray(np.zeros((2, 4, 32, 16)), "float32")
-    k = torch_backend.asarray(np.zeros((2, 4, 96, 16)), "float32")
+    q = torch_cpu_backend.asarray(np.zeros((2, 4, 32, 16)), "float32")
+    k = torch_cpu_backend.asarray(np.zeros((2, 4, 96, 16)), "float32")
     explanation = sdpa_array.explain(q, k, k, softcap=3.0)
     assert explanation.forward == "materialized"
     assert "softcap" in " ".join(explanation.forward_why)
@@ -104,9 +104,9 @@ def test_explain_names_the_native_kernel(torch_backend):
     q = torch_backend.asarray(np.zeros((2, 4, 32, 16)), "float32")
     explanation = sdpa_array.explain(q, q, q, return_lse=True)
     assert explanation.forward == "native"
-    assert explanation.forward_kernel == (
-        "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu"
-    )
+    # float32 on CUDA: the memory-efficient kernel (cuDNN and flash take half precision)
+    kernel = "efficient_attention" if torch_backend.device == "cuda" else "flash_attention_for_cpu"
+    assert explanation.forward_kernel == f"torch.ops.aten._scaled_dot_product_{kernel}"
     text = str(explanation)
     assert text.startswith("forward: native (torch.ops.aten.")
     assert "vjp: " in text

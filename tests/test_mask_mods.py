@@ -26,6 +26,7 @@ import sdpa_array
 from sdpa_array import create_block_mask, mods, reference
 from sdpa_array._kernels import mod_terms
 from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
+from tests.helpers import ran_fused
 
 #: JAX compiles every new shape and Dask builds a graph per call: on them these cases run in
 #: `nox -s tests-slow` (CI runs it).
@@ -151,10 +152,13 @@ def test_ready_made_mods_match_their_textbook_definition(
     expected_as = {"mask": np.ascontiguousarray(dense)} if kind == "mask" else {}
     if kind == "bias":
         expected_as = {"bias": np.ascontiguousarray(dense)}
-    assert_close_to_oracle(result, q, k, v, return_lse=True, enable_gqa=True, **expected_as)
+    fused = ran_fused(q, k, v, run)
+    assert_close_to_oracle(
+        result, q, k, v, return_lse=True, enable_gqa=True, fused=fused, **expected_as
+    )
     grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **run)
     assert len(grads) == 3
-    oracle = {keyword: _mod(name, HOST)}
+    oracle = {keyword: _mod(name, HOST), "fused": ran_fused(q, k, v, run, vjp=True)}
     assert_vjp_close_to_oracle(grads, q, k, v, g, enable_gqa=True, **oracle)
 
 
@@ -201,9 +205,11 @@ def test_mods_combine_with_every_restriction(
     run = {"implementation": implementation, **blocks, **options, **mods_given}
     result = sdpa_array.scaled_dot_product_attention(q, k, v, return_lse=True, **run)
     options.update(mask_mod=_mod(mask_name, HOST), bias_mod=_mod(bias_name, HOST))
-    assert_close_to_oracle(result, q, k, v, return_lse=True, **options)
+    fused = ran_fused(q, k, v, run)
+    assert_close_to_oracle(result, q, k, v, return_lse=True, fused=fused, **options)
     grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **run)
-    assert_vjp_close_to_oracle(grads, q, k, v, g, **options)
+    fused = ran_fused(q, k, v, run, vjp=True)
+    assert_vjp_close_to_oracle(grads, q, k, v, g, fused=fused, **options)
 
 
 # --- random mask functions (NumPy) --------------------------------------------------------

@@ -20,6 +20,7 @@ import pytest
 import sdpa_array
 from sdpa_array import reference
 from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
+from tests.helpers import as_checked
 
 #: JAX compiles every new shape: on JAX these cases run in `nox -s tests-slow` (CI runs it).
 pytestmark = pytest.mark.slow_on("jax")
@@ -59,12 +60,11 @@ def test_forward_and_vjp_with_scale_array(backend_dtype, implementation, blocks,
     out = sdpa_array.scaled_dot_product_attention(
         q, k, v, scale=scale, implementation=implementation, **blocks, **options
     )
-    assert_close_to_oracle(out, q, k, v, scale=scale, **options)
-    grads = sdpa_array.scaled_dot_product_attention_vjp(
-        q, k, v, g, scale=scale, implementation=implementation, **blocks, **options
-    )
+    run = {"scale": scale, "implementation": implementation, **blocks, **options}
+    assert_close_to_oracle(out, q, k, v, **as_checked(q, k, v, run))
+    grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **run)
     assert len(grads) == 4
-    assert_vjp_close_to_oracle(grads, q, k, v, g, scale=scale, **options)
+    assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, run, vjp=True))
 
 
 def test_vjp_with_bias_and_gqa_returns_grad_bias_then_grad_scale(backend):
@@ -78,7 +78,7 @@ def test_vjp_with_bias_and_gqa_returns_grad_bias_then_grad_scale(backend):
     options = {"bias": bias, "scale": scale, "enable_gqa": True}
     grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **options)
     assert len(grads) == 5
-    assert_vjp_close_to_oracle(grads, q, k, v, g, **options)
+    assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, options, vjp=True))
 
 
 def test_number_scales_have_no_gradient(backend):
@@ -127,7 +127,8 @@ def test_autograd_reaches_the_scale(autograd_backend_dtype, implementation, bloc
         return xp.sum(xp.astype(out, xp.float64 if dtype == "float64" else xp.float32) * g)
 
     grads = _autograd(backend, loss, (q, k, v, scale))
-    assert_vjp_close_to_oracle(grads, q, k, v, g, scale=scale, **options)
+    run = {"scale": scale, "implementation": implementation, **blocks, **options}
+    assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, run, vjp=True))
 
 
 @pytest.mark.parametrize("implementation", ["materialized", "blocked"])

@@ -24,6 +24,7 @@ from sdpa_array._kernels.operands import prepare
 from sdpa_array._kernels.tiling import plan_blocks
 from sdpa_array._problem import Inputs, validate
 from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
+from tests.helpers import as_checked
 
 #: JAX compiles every new shape and Dask builds a graph per call: on them these cases run in
 #: `nox -s tests-slow` (CI runs it).
@@ -129,11 +130,10 @@ def test_against_oracle(
     result = sdpa_array.scaled_dot_product_attention(
         q, k, v, return_lse=True, implementation=implementation, **blocks, **kw
     )
-    assert_close_to_oracle(result, q, k, v, return_lse=True, **kw)
-    grads = sdpa_array.scaled_dot_product_attention_vjp(
-        q, k, v, g, implementation=implementation, **blocks, **kw
-    )
-    assert_vjp_close_to_oracle(grads, q, k, v, g, **kw)
+    run = {"implementation": implementation, **blocks, **kw}
+    assert_close_to_oracle(result, q, k, v, return_lse=True, **as_checked(q, k, v, run))
+    grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **run)
+    assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, run, vjp=True))
 
 
 def test_gqa_with_lengths_and_segments(backend):
@@ -149,12 +149,11 @@ def test_gqa_with_lengths_and_segments(backend):
     )
     kw |= {"enable_gqa": True, "is_causal": True, "alignment": "bottom_right"}
     for implementation in ("materialized", "blocked"):
-        out = sdpa_array.scaled_dot_product_attention(q, k, v, implementation=implementation, **kw)
-        assert_close_to_oracle(out, q, k, v, **kw)
-        grads = sdpa_array.scaled_dot_product_attention_vjp(
-            q, k, v, g, implementation=implementation, **kw
-        )
-        assert_vjp_close_to_oracle(grads, q, k, v, g, **kw)
+        run = {"implementation": implementation, **kw}
+        out = sdpa_array.scaled_dot_product_attention(q, k, v, **run)
+        assert_close_to_oracle(out, q, k, v, **as_checked(q, k, v, run))
+        grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **run)
+        assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, run, vjp=True))
 
 
 def _as_numpy(x):
@@ -216,12 +215,11 @@ def test_hypothesis_lengths_and_segments(backend, case):
     sequences, options, blocks = case
     q, k, v, g = _arrays(backend, "float32")
     kw = {**_on(backend, sequences), **options}
-    out = sdpa_array.scaled_dot_product_attention(q, k, v, implementation="blocked", **blocks, **kw)
-    assert_close_to_oracle(out, q, k, v, **kw)
-    grads = sdpa_array.scaled_dot_product_attention_vjp(
-        q, k, v, g, implementation="blocked", **blocks, **kw
-    )
-    assert_vjp_close_to_oracle(grads, q, k, v, g, **kw)
+    run = {"implementation": "blocked", **blocks, **kw}
+    out = sdpa_array.scaled_dot_product_attention(q, k, v, **run)
+    assert_close_to_oracle(out, q, k, v, **as_checked(q, k, v, run))
+    grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **run)
+    assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, run, vjp=True))
 
 
 def _autograd(backend, f, args):
@@ -253,7 +251,8 @@ def test_autograd(autograd_backend, implementation):
         return (out * g).sum()
 
     grads = _autograd(autograd_backend, loss, (q, k, v))
-    assert_vjp_close_to_oracle(grads, q, k, v, g, **kw)
+    run = {"implementation": implementation, **kw}
+    assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, run, vjp=True))
 
 
 def test_jax_jit_with_traced_lengths(jax_backend):

@@ -17,6 +17,7 @@ import pytest
 import sdpa_array
 from sdpa_array import reference
 from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
+from tests.helpers import as_checked
 
 #: JAX compiles every new shape and Dask builds a graph per call: on them these cases run in
 #: `nox -s tests-slow` (CI runs it).
@@ -64,10 +65,10 @@ def test_sinks_forward_and_vjp_match_oracle(backend_dtype, implementation, block
     q, k, v, g, sinks, options = _case(backend, dtype, options)
     run = {"implementation": implementation, **blocks, **options, "sinks": sinks}
     result = sdpa_array.scaled_dot_product_attention(q, k, v, return_lse=True, **run)
-    assert_close_to_oracle(result, q, k, v, return_lse=True, sinks=sinks, **options)
+    assert_close_to_oracle(result, q, k, v, return_lse=True, **as_checked(q, k, v, run))
     grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **run)
     assert len(grads) == 4
-    assert_vjp_close_to_oracle(grads, q, k, v, g, sinks=sinks, **options)
+    assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, run, vjp=True))
 
 
 def test_weights_sum_below_one_and_empty_rows_give_the_sink(backend):
@@ -90,7 +91,7 @@ def test_grad_order_bias_sinks_scale_and_broadcast_sinks(backend):
     grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **options)
     assert len(grads) == 6
     assert tuple(grads[4].shape) == (2, 1)
-    assert_vjp_close_to_oracle(grads, q, k, v, g, **options)
+    assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, options, vjp=True))
 
 
 def _gpt_oss(torch, q, k, v, sinks, mask):
@@ -190,7 +191,8 @@ def test_autograd_reaches_the_sinks(autograd_backend_dtype, implementation, bloc
         return xp.sum(xp.astype(out, acc) * xp.astype(g, acc))
 
     grads = _autograd(backend, loss, (q, k, v, sinks))
-    assert_vjp_close_to_oracle(grads, q, k, v, g, sinks=sinks, **options)
+    run = {"implementation": implementation, **blocks, **options, "sinks": sinks}
+    assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, run, vjp=True))
 
 
 @pytest.mark.parametrize("implementation", ["materialized", "blocked"])

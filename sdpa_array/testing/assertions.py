@@ -93,6 +93,7 @@ def assert_close_to_oracle(
     bias: Array | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
+    fused: bool = False,
     **options: Any,
 ) -> None:
     """Check a result of :func:`sdpa_array.scaled_dot_product_attention` in one call.
@@ -101,7 +102,9 @@ def assert_close_to_oracle(
     and the same keyword arguments. Each returned array must have the query's library,
     array type and device, the promised shape and dtype (``lse`` in the compute dtype), and
     be within the derived bound of :mod:`sdpa_array.testing.bounds` from the oracle's value
-    for the same inputs.
+    for the same inputs. ``fused`` says the call ran a fused kernel in the inputs' dtype
+    (:attr:`sdpa_array.Explanation.forward_fused`): the bound then has the ``base2`` and
+    ``rounded_operands`` terms.
 
     Raises
     ------
@@ -137,7 +140,10 @@ def assert_close_to_oracle(
     out_max = float(np.max(np.abs(ref_out))) if ref_out.size else 0.0
     out = parts[0]
     assert_array_like(out, query, shape=ref_out.shape, dtype=query.dtype)
-    assert_close(out, ref_out, output_bound(dtype, S=S, ds=ds, v_max=v_max, out_max=out_max))
+    bound = output_bound(
+        dtype, S=S, ds=ds, v_max=v_max, out_max=out_max, base2=fused, rounded_operands=fused
+    )
+    assert_close(out, ref_out, bound)
     if return_weights:
         assert_array_like(parts[1], query, shape=ref_w.shape, dtype=query.dtype)
         bound = output_bound(dtype, S=S, ds=ds, v_max=grow, out_max=grow)
@@ -146,7 +152,8 @@ def assert_close_to_oracle(
         finite = ref_lse[np.isfinite(ref_lse)]
         lse_max = float(np.max(np.abs(finite))) if finite.size else 0.0
         assert_array_like(parts[-1], query, shape=ref_lse.shape, dtype=compute)
-        assert_close(parts[-1], ref_lse, lse_bound(dtype, S=S, ds=ds, lse_max=lse_max), "lse")
+        bound = lse_bound(dtype, S=S, ds=ds, lse_max=lse_max, base2=fused)
+        assert_close(parts[-1], ref_lse, bound, "lse")
 
 
 def assert_vjp_close_to_oracle(
@@ -159,6 +166,7 @@ def assert_vjp_close_to_oracle(
     *,
     mask: Array | None = None,
     bias: Array | None = None,
+    fused: bool = False,
     **options: Any,
 ) -> None:
     """Check gradients of attention (``(dq, dk, dv[, dbias][, dsinks][, dscale])``) against
@@ -168,7 +176,9 @@ def assert_vjp_close_to_oracle(
 
     Each gradient must have its input's library, array type, shape, dtype and device, and
     every entry must be within the element-wise bound of
-    :func:`~sdpa_array.testing.bounds.vjp_oracle_and_bounds`.
+    :func:`~sdpa_array.testing.bounds.vjp_oracle_and_bounds`. ``fused`` says the backward
+    ran a fused kernel in the inputs' dtype (:attr:`sdpa_array.Explanation.vjp_fused`):
+    the bound then has the ``base2`` and ``rounded_operands`` terms.
     """
     dtype = dtype_name(query)
     q64, k64, v64, g64 = (_host(a) for a in (query, key, value, grad_output))
@@ -177,7 +187,16 @@ def assert_vjp_close_to_oracle(
     if sinks is not None:
         options = {**options, "sinks": _host(sinks)}
     expected, bounds = vjp_oracle_and_bounds(
-        dtype, q64, k64, v64, g64, mask=mask_np, bias=_host_or_none(bias), **options
+        dtype,
+        q64,
+        k64,
+        v64,
+        g64,
+        mask=mask_np,
+        bias=_host_or_none(bias),
+        base2=fused,
+        rounded_operands=fused,
+        **options,
     )
     named = {"dq": query, "dk": key, "dv": value, "dbias": bias, "dsinks": sinks}
     named["dscale"] = options.get("scale")
