@@ -102,11 +102,12 @@ _define_test_session("tests-slow", *SLOW_SESSION, default=False, marks="slow")
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff (lint and format) and mypy."""
+    """ruff (lint and format), mypy and the import contracts (import-linter)."""
     session.install("-e", ".[lint]")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")
+    session.run("lint-imports")
 
 
 @nox.session

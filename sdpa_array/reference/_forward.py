@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ._convert import as_float64, to_numpy
+from ._dropout import keep_mask
 from ._mods import check_mods, evaluate_mod, index_grids
 from ._restrictions import allowed_by_index, as_lengths, as_segments, resolve_scale
 
@@ -237,10 +238,8 @@ def forward_pass(
     keep = None
     dropped = weights
     if prep["dropout_p"] > 0:
-        from .._kernels.dropout import dropout_keep_mask
-
         p = prep["dropout_p"]
-        mask = np.asarray(dropout_keep_mask(prep["dropout_seed"], weights.shape, p))
+        mask = keep_mask(prep["dropout_seed"], weights.shape, p)
         keep = mask.astype(np.float64) / (1.0 - p)
         dropped = weights * keep
 
