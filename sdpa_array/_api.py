@@ -253,7 +253,7 @@ def scaled_dot_product_attention(
         function written with their operators and ``array_namespace(q_idx)`` works on every
         library. It is evaluated tile by tile, never as an ``(L, S)`` array per head; the
         blocked path skips the tiles it empties (from a :func:`create_block_mask` result,
-        or classifying the function on NumPy indices itself when it computes there).
+        or classifying the function's blocks itself, off a GPU).
         Ready-made ones: :mod:`sdpa_array.mods`.
     bias_mod : callable, optional
         A bias function ``bias_mod(batch, head, q_idx, kv_idx) -> floating array`` with the

@@ -7,23 +7,34 @@ some pairs may attend. Passed as ``mask_mod``, the :class:`BlockMask` lets the b
 kernel skip the empty blocks and evaluate the function only on the partial ones; it is also
 a mask function itself (calling it calls the original).
 
-The blocked kernel builds the same classification by itself for a plain mask function that
-computes on NumPy indices (:func:`classify_on_host`), and masks tile by tile otherwise.
+The blocked kernel builds the same classification by itself for a plain mask function
+(:func:`classify_in`: with index arrays of the inputs' library, or NumPy ones for the
+ready-made functions, :func:`classify_on_host`), and masks tile by tile where it cannot.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from ._compat import device, host_values
 from ._mod_calls import call_mod, check_mod_callable, index_grid
 from ._mods_data import check_index
 from ._typing import Array
 
-__all__ = ["BLOCK_MASK_BLOCK", "HOST_BLOCK", "BlockMask", "classify_on_host", "create_block_mask"]
+__all__ = [
+    "BLOCK_MASK_BLOCK",
+    "HOST_BLOCK",
+    "BlockMask",
+    "classify_in",
+    "classify_on_host",
+    "create_block_mask",
+]
 
 #: Default block size of :func:`create_block_mask` along queries and keys (FlexAttention's).
 BLOCK_MASK_BLOCK = 128
@@ -124,6 +135,29 @@ def _reduce_blocks(chunk: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
     return np.where(counts == sizes, FULL, np.where(counts > 0, PARTIAL, EMPTY)).astype(np.int8)
 
 
+def _block_counts(xp: ModuleType, values: Array, block_q: int, block_k: int) -> np.ndarray:
+    """:func:`_reduce_blocks` for ``values`` of another library: the admissible pairs of each
+    block counted there, the classes (a small array) formed on the host."""
+    *outer, rows, cols = values.shape
+    nq, nk = -(-rows // block_q), -(-cols // block_k)
+    ones = xp.astype(values, xp.int32)
+    here = device(ones)
+    if nq * block_q != rows:  # zero padding to whole blocks
+        pad = xp.zeros((*outer, nq * block_q - rows, cols), dtype=xp.int32, device=here)
+        ones = xp.concat([ones, pad], axis=-2)
+    if nk * block_k != cols:
+        pad = xp.zeros((*outer, nq * block_q, nk * block_k - cols), dtype=xp.int32, device=here)
+        ones = xp.concat([ones, pad], axis=-1)
+    ones = xp.reshape(ones, (*outer, nq, block_q, nk, block_k))
+    counts = host_values(xp.sum(xp.sum(ones, axis=-1), axis=-2))
+    if counts is None:
+        raise TypeError("the classes of a lazy or traced mask cannot be read on the host")
+    heights = np.minimum(block_q, rows - np.arange(0, rows, block_q))
+    widths = np.minimum(block_k, cols - np.arange(0, cols, block_k))
+    sizes = heights[:, None] * widths[None, :]
+    return np.where(counts == sizes, FULL, np.where(counts > 0, PARTIAL, EMPTY)).astype(np.int8)
+
+
 def _evaluate(
     mask_mod: Callable[..., Any],
     batch: tuple[int, ...],
@@ -132,20 +166,22 @@ def _evaluate(
     S: int,
     block_q: int,
     block_k: int,
+    xp: ModuleType = np,
+    where: Any = None,
 ) -> np.ndarray:
-    """Block classes ``(B', H', nq, nk)``: the function on NumPy indices, chunk by chunk."""
+    """Block classes ``(B', H', nq, nk)``: the function on index arrays of ``xp`` on device
+    ``where``, chunk by chunk."""
 
-    def chunk(rows: slice) -> np.ndarray:
-        indices = index_grid(np, None, batch, heads, rows, slice(0, S))
+    def chunk(rows: slice) -> Array:
+        indices = index_grid(xp, where, batch, heads, rows, slice(0, S))
         shape = (*batch, *heads, rows.stop - rows.start, S)
-        values: np.ndarray = call_mod("mask_mod", mask_mod, indices, shape)  # NumPy's, checked
-        return values
+        return call_mod("mask_mod", mask_mod, indices, shape)  # xp's, checked
 
     nq, nk = -(-L // block_q), -(-S // block_k)
     probe = chunk(slice(0, min(L, 1)))
     # the result's shape tells which index arrays it depends on; the batch (heads) axes are
     # kept whole when it depends on any of them
-    got = (1,) * (len(batch) + len(heads) + 2 - probe.ndim) + tuple(probe.shape)
+    got = (1,) * (len(batch) + len(heads) + 2 - len(probe.shape)) + tuple(probe.shape)
     on_batch = any(m != 1 for m in got[: len(batch)])
     on_heads = any(m != 1 for m in got[len(batch) : len(batch) + len(heads)])
     depends = (
@@ -158,11 +194,10 @@ def _evaluate(
     step = max(1, CHUNK_ELEMENTS // per_row // block_q) * block_q
     for r0 in range(0, L, step):
         rows = slice(r0, min(L, r0 + step))
-        values = np.broadcast_to(chunk(rows), (*depends, rows.stop - rows.start, S))
-        values = np.reshape(values, (*outer, rows.stop - rows.start, S))
-        kinds[:, :, r0 // block_q : -(-rows.stop // block_q)] = _reduce_blocks(
-            values, block_q, block_k
-        )
+        values = xp.broadcast_to(chunk(rows), (*depends, rows.stop - rows.start, S))
+        values = xp.reshape(values, (*outer, rows.stop - rows.start, S))
+        reduce = _reduce_blocks if xp is np else functools.partial(_block_counts, xp)
+        kinds[:, :, r0 // block_q : -(-rows.stop // block_q)] = reduce(values, block_q, block_k)
     return kinds
 
 
@@ -230,10 +265,27 @@ def classify_on_host(
     L: int,
     S: int,
 ) -> np.ndarray | None:
-    """Block classes ``(B', H', nq, nk)`` of a plain mask function, or ``None`` when it does
-    not compute on NumPy indices (it uses another library's functions, or data that cannot
-    be read on the host: traced or lazy arrays). Blocks of :data:`HOST_BLOCK`."""
+    """Block classes ``(B', H', nq, nk)`` of a mask function that is known to give on NumPy
+    indices what it gives on the inputs' (the ready-made ones of :mod:`sdpa_array.mods`),
+    or ``None`` where its data cannot be read on the host (traced or lazy arrays). Blocks of
+    :data:`HOST_BLOCK`."""
+    return classify_in(np, None, mask_mod, batch, heads, L, S)
+
+
+def classify_in(
+    xp: ModuleType,
+    where: Any,
+    mask_mod: Callable[..., Any],
+    batch: tuple[int, ...],
+    heads: tuple[int, ...],
+    L: int,
+    S: int,
+) -> np.ndarray | None:
+    """Block classes ``(B', H', nq, nk)`` of a mask function called, as always, with index
+    arrays of the inputs' library ``xp`` on their device ``where``; ``None`` where the classes
+    cannot be read on the host (traced or lazy arrays) or the function raises (its tiles are
+    then evaluated one by one, where its error surfaces). Blocks of :data:`HOST_BLOCK`."""
     try:
-        return _evaluate(mask_mod, batch, heads, L, S, HOST_BLOCK, HOST_BLOCK)
+        return _evaluate(mask_mod, batch, heads, L, S, HOST_BLOCK, HOST_BLOCK, xp, where)
     except Exception:  # evaluated tile by tile in the inputs' library instead
         return None

@@ -202,6 +202,12 @@ class NamedMod:
     def arguments(self) -> str:
         raise NotImplementedError
 
+    @property
+    def host_equivalent(self) -> bool:
+        """Whether the mod gives on NumPy indices what it gives on any library's (its
+        data, if any, copied to the host), so its blocks may be classified there."""
+        return True
+
     def __repr__(self) -> str:
         return f"{self.factory}({self.arguments()})"
 
@@ -370,6 +376,10 @@ class AndMasks(NamedMod):
 
     def combine(self, a: Any, b: Any) -> Any:
         return a & b
+
+    @property
+    def host_equivalent(self) -> bool:
+        return all(isinstance(mod, NamedMod) and mod.host_equivalent for mod in self.mods)
 
     def __call__(self, batch: Any, head: Any, q_idx: Any, kv_idx: Any) -> Any:
         result = self.mods[0](batch, head, q_idx, kv_idx)

@@ -18,8 +18,11 @@ there are none); ``head`` the query head; ``q_idx`` and ``kv_idx`` absolute posi
 the query and key sequences. A mod's result has the broadcast shape of the arguments it
 uses (a causal mask ignores ``batch`` and ``head``); the caller broadcasts it.
 
-The index arrays may be NumPy arrays (where masks are classified on the host) or arrays of
-the inputs' library. Data a mod captures (segment ids, slopes, a table) may come from any
+A function of yours is always called with index arrays of the inputs' library and device
+(:func:`sdpa_array.create_block_mask`, which is given sizes only, calls it with NumPy ones),
+so it may use that library's own operations. The ready-made functions below give the same
+values on any library's indices, so the kernels classify their blocks on the host with
+NumPy ones. Data a mod captures (segment ids, slopes, a table) may come from any
 library: it is used as it is where the libraries match (JAX tracers under ``jax.jit``, lazy
 Dask arrays), copied to the host where the indices are NumPy arrays (a ``TypeError`` says
 so where the data cannot be read there), and moved into the indices' library otherwise.

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import hypothesis.strategies as st
@@ -348,6 +349,7 @@ def test_blocked_kernel_skips_the_blocks_the_classes_empty(monkeypatch):
         # 16-token documents on 8x8 tiles: every tile is empty or full, none is evaluated
         assert evaluated == [], label
     monkeypatch.setattr(mod_terms, "classify_on_host", lambda *args: None)
+    monkeypatch.setattr(mod_terms, "classify_in", lambda *args: None)
     evaluated.clear()
     results["per tile"] = sdpa_array.scaled_dot_product_attention(
         q, k, v, mask_mod=_document_mod(), **sizes
@@ -356,6 +358,52 @@ def test_blocked_kernel_skips_the_blocks_the_classes_empty(monkeypatch):
     for label, out in results.items():
         assert_close_to_oracle(out, q, k, v, mask=dense)
         np.testing.assert_allclose(out, results["per tile"], rtol=1e-12, atol=1e-15, err_msg=label)
+
+
+def _library_where(backend):
+    """``where`` of the inputs' own library (not array-api-compat's wrapper): torch's,
+    ``jax.numpy``'s, array-api-strict's, NumPy's, CuPy's."""
+    module = importlib.import_module(
+        {"torch": "torch", "jax": "jax.numpy", "strict": "array_api_strict"}.get(
+            backend.library, backend.library
+        )
+    )
+    return module.where
+
+
+def test_user_mods_receive_the_inputs_library_and_still_skip_tiles(eager_backend):
+    """A user's mask function is called only with index arrays of the inputs' library and
+    device, here one written with that library's own ``where`` (it fails on any other
+    library's arrays); off a GPU its blocks are still classified (in that library), so the
+    blocked kernel evaluates only the partial tiles: a causal mask on 16 x 16 tiles of a
+    32 x 32 grid has two partial tiles, one full and one empty."""
+    backend = eager_backend
+    where = _library_where(backend)
+    rng = np.random.default_rng(7)
+    q, k, v = (backend.asarray(rng.standard_normal((1, 2, 32, 4)), "float32") for _ in "qkv")
+    seen = []
+
+    def causal(b, h, q_idx, kv_idx):
+        seen.append((type(q_idx), sdpa_array._compat.device(q_idx)))
+        return where(kv_idx <= q_idx, kv_idx >= 0, kv_idx < 0)
+
+    evaluated = []
+    original = mod_terms.ModIndices.call
+
+    def spy(self, name, mod, rows, cols):
+        evaluated.append((rows.start, cols.start))
+        return original(self, name, mod, rows, cols)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(mod_terms.ModIndices, "call", spy)
+        run = {"implementation": "blocked", "block_q": 16, "block_k": 16}
+        out = sdpa_array.scaled_dot_product_attention(q, k, v, mask_mod=causal, **run)
+    assert_close_to_oracle(out, q, k, v, is_causal=True)
+    assert {t for t, _ in seen} == {type(q)}
+    assert {d for _, d in seen} == {sdpa_array._compat.device(q)}
+    on_gpu = backend.device == "cuda"  # there the classes are not read back: all evaluated
+    every = [(0, 0), (0, 16), (16, 0), (16, 16)]
+    assert sorted(evaluated) == (every if on_gpu else [(0, 0), (16, 16)])
 
 
 def test_block_mask_with_other_blocks_than_the_kernel(backend):

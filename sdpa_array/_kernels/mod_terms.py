@@ -8,11 +8,11 @@ their function on the index arrays of one tile (:class:`ModIndices`), never on t
 
 A :class:`ModMask` classifies tiles from block classes (:class:`BlockClasses`): those of a
 :class:`~sdpa_array._block_mask.BlockMask` the caller made, or, for a plain function, those
-the function gives on NumPy indices (:func:`~sdpa_array._block_mask.classify_on_host`),
-computed the first time a planner asks. A function that does not compute on NumPy
-(traced or lazy data, another library's functions) classifies every tile as partial, and
-its tiles are masked by evaluating it in the inputs' library: the results are the same, only
-fewer tiles are skipped.
+it gives on index arrays of the inputs' library (on NumPy ones for the ready-made functions
+of :mod:`sdpa_array.mods`, which give the same values there), computed the first time a
+planner asks. Where the classes cannot be read (traced or lazy data, or on a GPU for a
+user's function) every tile is partial and is masked by evaluating the function: the
+results are the same, only fewer tiles are skipped.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from .._block_mask import EMPTY, FULL, HOST_BLOCK, BlockMask, classify_on_host
+from .._block_mask import EMPTY, FULL, HOST_BLOCK, BlockMask, classify_in, classify_on_host
 from .._compat import stop_gradient
 from .._mod_calls import call_mod, index_grid
+from .._mods_data import NamedMod
 from .._problem import Problem
 from .._typing import Array
 from .restrictions import TileKind
@@ -264,11 +265,23 @@ def mod_mask(p: Problem) -> ModMask | None:
         function = given.mask_mod
     else:
         batch, n_heads = (math.prod(seq),), (math.prod(heads),)
-        classes = BlockClasses(
-            lambda: classify_on_host(mod, batch, n_heads, p.L, p.S), p, HOST_BLOCK, HOST_BLOCK
-        )
+        classes = BlockClasses(lambda: _classify(p, mod, batch, n_heads), p, HOST_BLOCK, HOST_BLOCK)
         function = mod
     return ModMask(function, _indices(p), classes, p.L, p.S)
+
+
+def _classify(
+    p: Problem, mod: Callable[..., Any], batch: tuple[int, ...], heads: tuple[int, ...]
+) -> np.ndarray | None:
+    """Block classes of a plain mask function: on the host for the ready-made functions,
+    which give the same values on NumPy indices; else with index arrays of the inputs'
+    library, as every call of a user's function is made (not on a GPU, where reading the
+    classes back would wait for the device: there its tiles are all evaluated)."""
+    if isinstance(mod, NamedMod) and mod.host_equivalent:
+        return classify_on_host(mod, batch, heads, p.L, p.S)
+    if p.on_gpu:
+        return None
+    return classify_in(p.xp, p.device, mod, batch, heads, p.L, p.S)
 
 
 def mod_bias(p: Problem) -> ModBias | None:
