@@ -29,6 +29,7 @@ from triton.testing import do_bench
 from sdpa_array._kernels.triton import plan_triton, triton_attention, triton_vjp
 from sdpa_array._kernels.triton.attention import run_backward, run_forward
 from sdpa_array._kernels.triton.configs import tuning_configs
+from sdpa_array._options import Options
 from sdpa_array._problem import Inputs, validate
 from sdpa_array._result import finish_gradients
 
@@ -37,10 +38,7 @@ torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def problem(q, k, v, causal):
-    p = validate(
-        q, k, v, mask=None, bias=None, is_causal=causal, window=None, alignment="top_left",
-        scale=None, softcap=None, enable_gqa=False,
-    )  # fmt: skip
+    p = validate(q, k, v, Options(is_causal=causal))
     x = Inputs(q, k, v)
     plan_triton(p, x)
     return p, x

@@ -15,6 +15,7 @@ from typing import Literal, overload
 from . import _autograd
 from ._dispatch import choose
 from ._kernels.native import Request
+from ._options import Options
 from ._problem import Inputs, check_flag, validate
 from ._result import empty_result, finalize
 from ._typing import Alignment, Array, BiasMod, ImplementationName, MaskMod
@@ -355,10 +356,7 @@ def scaled_dot_product_attention(
     array([[0.986, 1.   , 0.   ],
            [1.   , 1.   , 0.   ]])
     """
-    p = validate(
-        query,
-        key,
-        value,
+    options = Options(
         mask=mask,
         bias=bias,
         is_causal=is_causal,
@@ -376,9 +374,10 @@ def scaled_dot_product_attention(
         mask_mod=mask_mod,
         bias_mod=bias_mod,
     )
+    p = validate(query, key, value, options)
     check_flag("return_weights", return_weights)
     check_flag("return_lse", return_lse)
-    x = Inputs(query, key, value, mask, bias, p.scale if p.scale_is_array else None, sinks)
+    x = Inputs.of(query, key, value, options, p)
     request = Request(x, return_weights, return_lse)
     choice = choose(p, implementation, (block_q, block_k), request=request)
     if p.S == 0 or p.L == 0:

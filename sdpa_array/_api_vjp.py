@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ._compat import array_namespace
 from ._dispatch import choose
+from ._options import Options
 from ._problem import Inputs, Problem, validate
 from ._result import finish_gradients, zero_gradients
 from ._typing import Alignment, Array, BiasMod, MaskMod, VJPImplementationName
@@ -153,10 +154,7 @@ def scaled_dot_product_attention_vjp(
            [0.3333],
            [0.3333]])
     """
-    p = validate(
-        query,
-        key,
-        value,
+    options = Options(
         mask=mask,
         bias=bias,
         is_causal=is_causal,
@@ -174,8 +172,9 @@ def scaled_dot_product_attention_vjp(
         mask_mod=mask_mod,
         bias_mod=bias_mod,
     )
+    p = validate(query, key, value, options)
     _check_grad_output(p, query, grad_output)
-    x = Inputs(query, key, value, mask, bias, p.scale if p.scale_is_array else None, sinks)
+    x = Inputs.of(query, key, value, options, p)
     choice = choose(p, implementation, (block_q, block_k), vjp_inputs=x)
     if p.L == 0 or p.S == 0:  # nothing reaches the output: every gradient is zero
         return zero_gradients(p, x)

@@ -11,6 +11,7 @@ from typing import Any
 
 from ._dispatch import choose
 from ._kernels.native import Request, plan_native_vjp
+from ._options import Options
 from ._problem import Inputs, check_flag, validate
 from ._typing import Array
 
@@ -112,21 +113,11 @@ def explain(
       passed over: native: the library's own backward kernels are used off a GPU
       passed over: triton: auto uses the Triton kernels on a GPU only
     """
-    defaults: dict[str, Any] = {
-        "mask": None,
-        "bias": None,
-        "is_causal": False,
-        "window": None,
-        "alignment": "top_left",
-        "scale": None,
-        "softcap": None,
-        "enable_gqa": False,
-    }
-    p = validate(query, key, value, **{**defaults, **options})
+    given = Options.of(options, where="explain")
+    p = validate(query, key, value, given)
     check_flag("return_weights", return_weights)
     check_flag("return_lse", return_lse)
-    mask, bias, sinks = (options.get(name) for name in ("mask", "bias", "sinks"))
-    x = Inputs(query, key, value, mask, bias, p.scale if p.scale_is_array else None, sinks)
+    x = Inputs.of(query, key, value, given, p)
     request = Request(x, return_weights, return_lse)
     blocks = (block_q, block_k)
     forward = choose(p, implementation, blocks, request=request)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ._compat import array_namespace, device, is_array_api_obj, namespace_name
+from ._options import Options
 from ._problem import check_flag, validate
 from ._typing import Array
 
@@ -387,12 +388,7 @@ def check_call(
         k: options[k] for k in ("scale", "softcap", "enable_gqa") if k in options
     }
     stub = key_cache[:1, :, :0, :]
-    p = validate(
-        query,
-        stub,
-        value_cache[:1, :, :0, :],
-        mask=None,
-        bias=None,
+    stub_options = Options(
         is_causal=is_causal,
         window=options.get("window"),
         alignment="bottom_right",
@@ -400,6 +396,7 @@ def check_call(
         softcap=options.get("softcap"),
         enable_gqa=enable_gqa,
     )
+    p = validate(query, stub, value_cache[:1, :, :0, :], stub_options)
     scores = (B, Hq, L, capacity)
     what = "max_pages * page_size" if paged else "S_max"
     window = None if p.band.left is None and p.band.right is None else (p.band.left, p.band.right)

@@ -19,6 +19,7 @@ from ._compat import array_namespace, device, is_array_api_obj, known_value, on_
 from ._kernels.dropout import check_dropout
 from ._kernels.restrictions import Band
 from ._mod_args import check_mods
+from ._options import Options
 from ._sequences import Lengths, Segments, check_lengths, check_segments
 from ._typing import Array
 
@@ -173,6 +174,12 @@ class Inputs:
         """
         extra = tuple(a for a in (self.bias, self.sinks, self.scale) if a is not None)
         return (self.query, self.key, self.value, *extra)
+
+    @classmethod
+    def of(cls, query: Array, key: Array, value: Array, options: Options, p: Problem) -> Inputs:
+        """The arrays of a call with ``options``, validated into ``p``."""
+        scale = options.scale if p.scale_is_array else None
+        return cls(query, key, value, options.mask, options.bias, scale, options.sinks)
 
 
 def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -329,28 +336,7 @@ def _batch_shape(
     return batch, hq, hk, 1
 
 
-def validate(
-    query: Any,
-    key: Any,
-    value: Any,
-    *,
-    mask: Any,
-    bias: Any,
-    is_causal: bool,
-    window: Any,
-    alignment: str,
-    scale: Any,
-    softcap: Any,
-    enable_gqa: bool,
-    query_lengths: Any = None,
-    key_lengths: Any = None,
-    segment_ids: Any = None,
-    sinks: Any = None,
-    dropout_p: Any = 0.0,
-    dropout_seed: Any = None,
-    mask_mod: Any = None,
-    bias_mod: Any = None,
-) -> Problem:
+def validate(query: Any, key: Any, value: Any, options: Options) -> Problem:
     """Check every argument and return the :class:`Problem` they describe.
 
     Raises
@@ -367,6 +353,9 @@ def validate(
         ``mask_mod``/``bias_mod`` that is not callable, or that raises or returns a wrong
         result on a probe index (see :mod:`sdpa_array._mod_args`).
     """
+    o = options
+    mask, bias, sinks, window, alignment = o.mask, o.bias, o.sinks, o.window, o.alignment
+    is_causal, enable_gqa = o.is_causal, o.enable_gqa
     named = {"query": query, "key": key, "value": value, "mask": mask, "bias": bias}
     xp = array_namespace({**named, "sinks": sinks})
     for name, arr in (("query", query), ("key", key), ("value", value)):
@@ -407,17 +396,17 @@ def validate(
             )
 
     _check_sinks(xp, sinks, batch)
-    drop_p, drop_seed = check_dropout(dropout_p, dropout_seed)
-    scale_value = _scale(xp, query, scale, E)
-    softcap_value = None if softcap is None else _positive_finite("softcap", softcap)
+    drop_p, drop_seed = check_dropout(o.dropout_p, o.dropout_seed)
+    scale_value = _scale(xp, query, o.scale, E)
+    softcap_value = None if o.softcap is None else _positive_finite("softcap", o.softcap)
 
     dev = device(query)
     seq_batch = batch[:-1]
     common = {"xp": xp, "device": dev, "like": query, "batch": seq_batch}
-    q_lengths = check_lengths("query_lengths", query_lengths, limit=L, **common)
-    k_lengths = check_lengths("key_lengths", key_lengths, limit=S, **common)
-    segments = check_segments(segment_ids, L=L, S=S, **common)
-    mask_fn, bias_fn = check_mods(xp, dev, mask_mod, bias_mod, batch, L, S)
+    q_lengths = check_lengths("query_lengths", o.query_lengths, limit=L, **common)
+    k_lengths = check_lengths("key_lengths", o.key_lengths, limit=S, **common)
+    segments = check_segments(o.segment_ids, L=L, S=S, **common)
+    mask_fn, bias_fn = check_mods(xp, dev, o.mask_mod, o.bias_mod, batch, L, S)
 
     dtype = query.dtype
     compute_dtype = dtype if xp.finfo(dtype).bits >= 32 else xp.float32

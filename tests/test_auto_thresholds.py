@@ -16,6 +16,7 @@ import pytest
 from sdpa_array import _dispatch
 from sdpa_array._compat import namespace_name
 from sdpa_array._kernels.native import CannotDelegateError, Request, plan_native
+from sdpa_array._options import Options
 from sdpa_array._problem import Inputs, Problem, validate
 from sdpa_array.testing.backends import get_backend
 
@@ -44,14 +45,16 @@ def problem_of(backend_id: str, nbytes: int, *, above: bool) -> tuple[Problem, I
         q,
         k,
         k,
-        mask=None,
-        bias=None,
-        is_causal=False,
-        window=None,
-        alignment="top_left",
-        scale=None,
-        softcap=None,
-        enable_gqa=False,
+        Options(
+            mask=None,
+            bias=None,
+            is_causal=False,
+            window=None,
+            alignment="top_left",
+            scale=None,
+            softcap=None,
+            enable_gqa=False,
+        ),
     )
     assert (_dispatch.score_bytes(p) > nbytes) == above
     return p, Inputs(q, k, k)

@@ -18,6 +18,7 @@ from sdpa_array import _dispatch, reference
 from sdpa_array._compat import array_namespace
 from sdpa_array._kernels import blocked, parallel, tiling
 from sdpa_array._kernels.restrictions import Band, Restrictions, TileKind
+from sdpa_array._options import Options
 from sdpa_array._problem import validate
 from tests.conftest import SHAPE_COMPILING_LIBRARIES
 from tests.helpers import check_against_oracle
@@ -366,14 +367,16 @@ def problem(L, S, dtype=np.float32):
         q,
         k,
         k,
-        mask=None,
-        bias=None,
-        is_causal=False,
-        window=None,
-        alignment="top_left",
-        scale=None,
-        softcap=None,
-        enable_gqa=False,
+        Options(
+            mask=None,
+            bias=None,
+            is_causal=False,
+            window=None,
+            alignment="top_left",
+            scale=None,
+            softcap=None,
+            enable_gqa=False,
+        ),
     )
 
 

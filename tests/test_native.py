@@ -20,6 +20,7 @@ import sdpa_array
 from sdpa_array import CannotDelegateError, _dispatch, reference
 from sdpa_array._kernels import native
 from sdpa_array._kernels.native import Request, plan_native
+from sdpa_array._options import Options
 from sdpa_array._problem import Inputs, validate
 from sdpa_array.testing.backends import BACKENDS
 from tests.conftest import NATIVE_LIBRARIES, NATIVE_LSE_REFUSED_DTYPES, NATIVE_REFUSED_DTYPES
@@ -80,7 +81,7 @@ def plan(backend, dtype, q_shape, k_shape, v_shape, mask_shape=None, bias_shape=
         **kw,
     }
     x = req.inputs
-    p = validate(x.query, x.key, x.value, mask=x.mask, bias=x.bias, **options)
+    p = validate(x.query, x.key, x.value, Options(mask=x.mask, bias=x.bias, **options))
     try:
         return plan_native(p, req)
     except CannotDelegateError as exc:
@@ -455,14 +456,16 @@ def test_vjp_auto_takes_the_native_backward_on_cuda_only(eager_backend):
         q,
         q,
         q,
-        mask=None,
-        bias=None,
-        is_causal=False,
-        window=None,
-        alignment="top_left",
-        scale=None,
-        softcap=None,
-        enable_gqa=False,
+        Options(
+            mask=None,
+            bias=None,
+            is_causal=False,
+            window=None,
+            alignment="top_left",
+            scale=None,
+            softcap=None,
+            enable_gqa=False,
+        ),
     )
     choice = _dispatch.choose(p, "auto", vjp_inputs=Inputs(q, q, q))
     expected = "materialized"
@@ -487,7 +490,7 @@ def chosen(backend, q, k, v, *, return_weights=False, return_lse=False, blocks=(
         "enable_gqa": False,
         **kw,
     }
-    p = validate(q, k, v, mask=None, bias=None, **options)
+    p = validate(q, k, v, Options(mask=None, bias=None, **options))
     req = Request(Inputs(q, k, v), return_weights, return_lse)
     choice = _dispatch.choose(p, "auto", blocks, request=req)
     assert choice.automatic

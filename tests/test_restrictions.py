@@ -14,6 +14,7 @@ from hypothesis import given
 
 from sdpa_array._kernels.restrictions import Band, DenseMask, Restrictions, TileKind
 from sdpa_array._kernels.tiling import plan_backward, plan_blocks
+from sdpa_array._options import Options
 from sdpa_array._problem import validate
 from sdpa_array.reference import intermediates
 
@@ -114,14 +115,16 @@ def test_backward_plan_reaches_every_admissible_key(args, bq, bk):
         q,
         k,
         k,
-        mask=None,
-        bias=None,
-        is_causal=is_causal,
-        window=None if left is None and right is None else (left, right),
-        alignment="bottom_right" if bottom_right else "top_left",
-        scale=None,
-        softcap=None,
-        enable_gqa=False,
+        Options(
+            mask=None,
+            bias=None,
+            is_causal=is_causal,
+            window=None if left is None and right is None else (left, right),
+            alignment="bottom_right" if bottom_right else "top_left",
+            scale=None,
+            softcap=None,
+            enable_gqa=False,
+        ),
     )
     r = Restrictions((p.band,) if p.band.restricts else (), L, S)
     covered = np.zeros((L, S), dtype=int)

@@ -22,6 +22,7 @@ import pytest
 import sdpa_array
 from sdpa_array._kernels.operands import prepare
 from sdpa_array._kernels.tiling import plan_blocks
+from sdpa_array._options import Options
 from sdpa_array._problem import Inputs, validate
 from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
 from tests.helpers import as_checked
@@ -298,15 +299,17 @@ def _planned_pairs(query, key, value, **options):
         query,
         key,
         value,
-        mask=None,
-        bias=None,
-        is_causal=options.pop("is_causal", False),
-        window=None,
-        alignment="top_left",
-        scale=None,
-        softcap=None,
-        enable_gqa=False,
-        **options,
+        Options(
+            mask=None,
+            bias=None,
+            is_causal=options.pop("is_causal", False),
+            window=None,
+            alignment="top_left",
+            scale=None,
+            softcap=None,
+            enable_gqa=False,
+            **options,
+        ),
     )
     ops = prepare(p, Inputs(query, key, value))
     total = 0

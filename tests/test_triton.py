@@ -47,6 +47,7 @@ from sdpa_array._kernels.triton import (
 from sdpa_array._kernels.triton import plan as triton_plan
 from sdpa_array._kernels.triton.attention import run_backward, run_forward
 from sdpa_array._kernels.triton.configs import Blocks, interpreting
+from sdpa_array._options import Options
 from sdpa_array._problem import Inputs, Problem, validate
 from sdpa_array._result import AttentionResult, finalize, finish_gradients
 from sdpa_array.testing import assert_array_like, assert_close, assert_within, get_backend
@@ -154,7 +155,7 @@ class Call:
             **{k: v for k, v in options.items() if k != "scale"},
             "sinks": self.sinks,
         }
-        self.p: Problem = validate(self.q, self.k, self.v, **keywords)
+        self.p: Problem = validate(self.q, self.k, self.v, Options(**keywords))
         self.x = Inputs(
             self.q,
             self.k,
@@ -557,10 +558,7 @@ def test_plan_refuses_what_the_kernels_cannot_compute(
 
         def refusal_inside(q: Any) -> Any:
             inner = Call.__new__(Call)
-            inner.p = validate(
-                q, q, q, mask=None, bias=None, is_causal=False, window=None,
-                alignment="top_left", scale=None, softcap=None, enable_gqa=False,
-            )  # fmt: skip
+            inner.p = validate(q, q, q, Options())
             inner.x = Inputs(q, q, q)
             assert "torch.func" in _refusal(inner)
             return q

@@ -24,6 +24,7 @@ import sdpa_array
 from sdpa_array import _autograd
 from sdpa_array._kernels.triton import triton_attention
 from sdpa_array._kernels.triton.configs import interpreting
+from sdpa_array._options import Options
 from sdpa_array._problem import Inputs, validate
 from sdpa_array.testing import get_backend
 
@@ -65,7 +66,7 @@ def test_public_call_runs_the_triton_kernel():
         q, k, v, implementation="triton", return_lse=True, **OPTIONS
     )
     defaults = {"mask": None, "bias": None, "window": None, "scale": None, "enable_gqa": False}
-    p = validate(q, k, v, **{**defaults, **OPTIONS})
+    p = validate(q, k, v, Options(**{**defaults, **OPTIONS}))
     direct = triton_attention(p, Inputs(q, k, v), return_weights=False, return_lse=True)
     assert bool((out == direct.out).all())
     assert bool((lse == direct.lse).all())

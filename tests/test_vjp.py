@@ -25,6 +25,7 @@ from sdpa_array._compat import array_namespace
 from sdpa_array._kernels import vjp_blocked
 from sdpa_array._kernels.restrictions import Restrictions
 from sdpa_array._kernels.tiling import GRID_RESTRICTED, TILE_BYTES, plan_backward
+from sdpa_array._options import Options
 from sdpa_array._problem import validate
 from tests.conftest import SHAPE_COMPILING_LIBRARIES
 from tests.helpers import (
@@ -641,7 +642,7 @@ def _problem(L: int, S: int, E: int = 8, **options):
         "softcap": None,
         "enable_gqa": False,
     }
-    return validate(q, k, k, **{**defaults, **options})
+    return validate(q, k, k, Options(**{**defaults, **options}))
 
 
 def _plan(p, block_q=None, block_k=None):

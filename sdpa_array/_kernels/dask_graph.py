@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from .._compat import array_namespace, device, is_dask_array
+from .._options import Options
 from .._problem import Inputs, Problem, validate
 from .._result import AttentionResult, RawGrads
 from .._typing import Array
@@ -205,12 +206,11 @@ def _chunk_call(
         rows, cols = slice(0, Lc), slice(0, Sc)
         positions = replace(band, offset=0).mask_with_offset(xp, None, rows, cols, offset)
         mask = positions if mask is None else xp.logical_and(mask, positions)
-    chunk = validate(
-        q, k, v, mask=mask, bias=bias, is_causal=False, window=None, alignment="top_left",
-        scale=st.scale if scale is None else scale, softcap=st.softcap,
+    chunk = validate(q, k, v, Options(
+        mask=mask, bias=bias, scale=st.scale if scale is None else scale, softcap=st.softcap,
         enable_gqa=st.enable_gqa, query_lengths=q_len, key_lengths=k_len,
         segment_ids=None if qs is None else (qs, ks),
-    )  # fmt: skip
+    ))  # fmt: skip
     if not st.shifted:
         chunk = replace(chunk, band=band)
     return chunk, Inputs(q, k, v, mask, bias, scale)

@@ -1,0 +1,73 @@
+"""The options of one attention call, declared once.
+
+The public functions keep their keyword signatures (users and type checkers see every
+option) and turn them into one :class:`Options` record at once; validation
+(:func:`~sdpa_array._problem.validate`) and everything below take the record, never the
+options one by one. A new option is a new field here, with its default; its meaning is
+documented on :func:`sdpa_array.scaled_dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ._typing import Alignment, Array, BiasMod, MaskMod
+
+__all__ = ["Options"]
+
+
+@dataclass(frozen=True, eq=False)
+class Options:
+    """The 16 options of an attention call, as given (validation happens once, in
+    :func:`~sdpa_array._problem.validate`, which turns them into a ``Problem``).
+
+    Attributes
+    ----------
+    mask, bias, is_causal, window, alignment, scale, softcap, enable_gqa
+        The restrictions and score terms of :func:`sdpa_array.scaled_dot_product_attention`.
+    query_lengths, key_lengths, segment_ids
+        Sequences: lengths and packed documents.
+    sinks, dropout_p, dropout_seed
+        Attention sinks and same-bits dropout.
+    mask_mod, bias_mod
+        Mask and bias functions.
+    """
+
+    mask: Array | None = None
+    bias: Array | None = None
+    is_causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+    alignment: Alignment = "top_left"
+    scale: float | Array | None = None
+    softcap: float | None = None
+    enable_gqa: bool = False
+    query_lengths: int | Array | None = None
+    key_lengths: int | Array | None = None
+    segment_ids: tuple[Array, Array] | None = None
+    sinks: Array | None = None
+    dropout_p: float = 0.0
+    dropout_seed: int | None = None
+    mask_mod: MaskMod | None = None
+    bias_mod: BiasMod | None = None
+
+    @classmethod
+    def of(cls, options: dict[str, Any], *, where: str) -> Options:
+        """The record of keyword arguments ``options``; an unknown name is a ``TypeError``
+        naming the function ``where`` that received it and the options there are."""
+        unknown = sorted(set(options) - NAMES)
+        if unknown:
+            raise TypeError(
+                f"{where}() got unexpected keyword argument(s) {', '.join(unknown)}; its "
+                f"options are {', '.join(sorted(NAMES))}"
+            )
+        return cls(**options)
+
+    def replace(self, **changes: Any) -> Options:
+        """A copy with ``changes``."""
+        return dataclasses.replace(self, **changes)
+
+
+#: The options' names.
+NAMES = frozenset(field.name for field in dataclasses.fields(Options))
