@@ -19,6 +19,11 @@ __all__ = ["scaled_dot_product_attention_vjp"]
 
 
 def _check_grad_output(p: Problem, query: Array, grad_output: Array) -> None:
+    if grad_output is None:
+        raise TypeError(
+            "grad_output must be an array of the inputs' library "
+            f"({type(query).__module__}.{type(query).__qualname__}), got None"
+        )
     try:
         array_namespace({"query": query, "grad_output": grad_output})
     except TypeError:

@@ -50,6 +50,9 @@ CHUNK_ELEMENTS = 2**22
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
+#: Most (batch element, head, query, key) pairs :func:`create_block_mask` evaluates.
+MAX_PAIRS = 2**40
+
 
 @dataclass(frozen=True, eq=False)
 class BlockMask:
@@ -251,6 +254,13 @@ def create_block_mask(
     n_q, n_k = check_index("L", L, minimum=0), check_index("S", S, minimum=0)
     bq = check_index("block_q", BLOCK_MASK_BLOCK if block_q is None else block_q, minimum=1)
     bk = check_index("block_k", BLOCK_MASK_BLOCK if block_k is None else block_k, minimum=1)
+    pairs = (b or 1) * (h or 1) * n_q * n_k
+    if pairs > MAX_PAIRS:
+        raise ValueError(
+            f"create_block_mask evaluates mask_mod on every (query, key) pair of every batch "
+            f"element and head: batch_size={b}, heads={h}, L={n_q}, S={n_k} make {pairs}, "
+            f"more than {MAX_PAIRS}"
+        )
     if n_q == 0 or n_k == 0:
         kinds = np.zeros((1, 1, -(-n_q // bq), -(-n_k // bk)), dtype=np.int8)
     else:

@@ -33,6 +33,7 @@ from ._kernels.vjp_blocked import blocked_vjp
 from ._kernels.vjp_materialized import materialized_vjp
 from ._problem import Inputs, Problem
 from ._result import AttentionResult, RawGrads
+from ._sequences import zero_past
 from ._typing import Array
 
 __all__ = [
@@ -199,6 +200,7 @@ class Choice:
             if request.inputs is x and flags == (return_weights, return_lse):
                 return delegation.run()
         run = self.row.forward
+        x = x.without_padding(p)
         return run(p, x, return_weights=return_weights, return_lse=return_lse, **self._blocks())
 
     def backward(
@@ -211,10 +213,19 @@ class Choice:
         lse: Array = None,
         grad_lse: Array = None,
     ) -> RawGrads:
-        """Run the backward kernel (raw gradients; see :mod:`sdpa_array._result`)."""
+        """Run the backward kernel (raw gradients; see :mod:`sdpa_array._result`), with the
+        padding of inputs and cotangents set to zero (:meth:`Inputs.without_padding`)."""
         run = self.row.backward
         if run is None:
             raise ValueError(f"implementation {self.name!r} has no backward kernel")
+        x = x.without_padding(p)
+        if p.query_lengths is not None:
+            heads = len(p.batch_shape) - len(p.sequence_batch)
+            grad_output = zero_past(p.xp, grad_output, p.query_lengths, p.L, heads=heads)
+            if grad_lse is not None:
+                grad_lse = zero_past(
+                    p.xp, grad_lse, p.query_lengths, p.L, heads=heads, features=False
+                )
         return run(p, x, grad_output, out=out, lse=lse, grad_lse=grad_lse, **self._blocks())
 
 
@@ -267,7 +278,7 @@ def choose(
     """
     names = [n for n, row in IMPLEMENTATIONS.items() if request is not None or row.backward]
     choices = ("auto", *names)
-    if implementation not in choices:
+    if not isinstance(implementation, str) or implementation not in choices:
         raise ValueError(f"implementation must be one of {choices}, got {implementation!r}")
     sized = any(b is not None for b in blocks)
     if sized:

@@ -14,6 +14,7 @@ lists, arrays of the inputs' library that hold values); lazy Dask arrays and tra
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -354,6 +355,9 @@ def check_call(
     }
     if cache_lengths is None:
         raise TypeError("cache_lengths is required: the number of tokens in each cache, (B,)")
+    for name in ("query", "key_cache", "value_cache"):
+        if named[name] is None:
+            raise TypeError(f"{name} must be an array, got None")
     xp = _namespace(named)
     if (new_key is None) != (new_value is None):
         given, missing = ("new_key", "new_value") if new_value is None else ("new_value", "new_key")
@@ -396,10 +400,16 @@ def check_call(
         softcap=options.get("softcap"),
         enable_gqa=enable_gqa,
     )
-    p = validate(query, stub, value_cache[:1, :, :0, :], stub_options)
+    validate(query, stub, value_cache[:1, :, :0, :], stub_options)
     scores = (B, Hq, L, capacity)
     what = "max_pages * page_size" if paged else "S_max"
-    window = None if p.band.left is None and p.band.right is None else (p.band.left, p.band.right)
+    # the window as given (the stub call above has S = 0, which would make every side "past
+    # the lengths"), each side past every position of the call dropped as validation does
+    sides: tuple[Any, Any] = options.get("window") or (None, None)
+    left, right = (
+        None if n is None or operator.index(n) >= L + capacity else operator.index(n) for n in sides
+    )
+    window = None if left is None and right is None else (left, right)
     return CacheCall(
         xp=xp,
         device=device(query),

@@ -50,9 +50,16 @@ __all__ = [
 _KIND_WORDS = {"integral": "an integer", "real floating": "a real floating"}
 
 
-def check_index(name: str, value: Any, *, minimum: int | None = None) -> int:
+#: The largest size or index the functions taking one accept (a size past it could not be
+#: allocated, and index arithmetic on it would overflow 64-bit integers).
+MAX_SIZE = 2**40
+
+
+def check_index(
+    name: str, value: Any, *, minimum: int | None = None, maximum: int = MAX_SIZE
+) -> int:
     """``value`` as a Python int; TypeError (not an integer, or a bool) or ValueError
-    (below ``minimum``) naming ``name``."""
+    (below ``minimum`` or above ``maximum``) naming ``name``."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an integer, got a bool ({value!r})")
     try:
@@ -61,6 +68,8 @@ def check_index(name: str, value: Any, *, minimum: int | None = None) -> int:
         raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
     if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {number}")
+    if number > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {number}")
     return number
 
 

@@ -6,6 +6,7 @@ shapes or dtypes involved. The implementations receive a :class:`Problem` and ca
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import operator
@@ -20,7 +21,7 @@ from ._kernels.dropout import check_dropout
 from ._kernels.restrictions import Band
 from ._mod_args import check_mods
 from ._options import Options
-from ._sequences import Lengths, Segments, check_lengths, check_segments
+from ._sequences import Lengths, Segments, check_lengths, check_segments, zero_past
 from ._typing import Array
 
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -174,6 +175,17 @@ class Inputs:
         """
         extra = tuple(a for a in (self.bias, self.sinks, self.scale) if a is not None)
         return (self.query, self.key, self.value, *extra)
+
+    def without_padding(self, p: Problem) -> Inputs:
+        """The inputs with the query rows past ``query_lengths`` and the key and value rows
+        past ``key_lengths`` set to zero (:func:`~sdpa_array._sequences.zero_past`)."""
+        if p.query_lengths is None and p.key_lengths is None:
+            return self
+        xp, heads = p.xp, len(p.batch_shape) - len(p.sequence_batch)
+        q = zero_past(xp, self.query, p.query_lengths, p.L, heads=heads)
+        k = zero_past(xp, self.key, p.key_lengths, p.S, heads=heads)
+        v = zero_past(xp, self.value, p.key_lengths, p.S, heads=heads)
+        return dataclasses.replace(self, query=q, key=k, value=v)
 
     @classmethod
     def of(cls, query: Array, key: Array, value: Array, options: Options, p: Problem) -> Inputs:
@@ -356,6 +368,12 @@ def validate(query: Any, key: Any, value: Any, options: Options) -> Problem:
     o = options
     mask, bias, sinks, window, alignment = o.mask, o.bias, o.sinks, o.window, o.alignment
     is_causal, enable_gqa = o.is_causal, o.enable_gqa
+    for name, arr in (("query", query), ("key", key), ("value", value)):
+        if arr is None:
+            raise TypeError(
+                f"{name} must be an array (NumPy, CuPy, torch, JAX, Dask or array-api-strict), "
+                "got None"
+            )
     named = {"query": query, "key": key, "value": value, "mask": mask, "bias": bias}
     xp = array_namespace({**named, "sinks": sinks})
     for name, arr in (("query", query), ("key", key), ("value", value)):
@@ -367,7 +385,7 @@ def validate(query: Any, key: Any, value: Any, options: Options) -> Problem:
     _check_dtypes(xp, query, key, value, mask, bias)
     check_flag("is_causal", is_causal)
     check_flag("enable_gqa", enable_gqa)
-    if alignment not in ALIGNMENTS:
+    if not isinstance(alignment, str) or alignment not in ALIGNMENTS:
         raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
     sides = _window(window)
 
@@ -411,7 +429,9 @@ def validate(query: Any, key: Any, value: Any, options: Options) -> Problem:
     dtype = query.dtype
     compute_dtype = dtype if xp.finfo(dtype).bits >= 32 else xp.float32
     offset = 0 if alignment == "top_left" else S - L
-    left, right = sides if sides is not None else (None, None)
+    # a side of L + S or more excludes no key of any row (every diagonal lies in
+    # [-L, S)): it is no bound, and the kernels' index arithmetic never sees its size
+    left, right = (None if n is None or n >= L + S else n for n in sides or (None, None))
     return Problem(
         xp=xp,
         device=dev,

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from ._compat import array_namespace, host_values, is_array_api_obj
+from ._compat import array_namespace, device, host_values, is_array_api_obj
 from ._typing import Array
 
-__all__ = ["Lengths", "Segments", "check_lengths", "check_segments"]
+__all__ = ["Lengths", "Segments", "check_lengths", "check_segments", "zero_past"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,35 @@ class Segments:
     key_host: np.ndarray | None
 
 
+def zero_past(
+    xp: ModuleType,
+    rows: Array,
+    lengths: Lengths | None,
+    n: int,
+    *,
+    heads: int,
+    features: bool = True,
+) -> Array:
+    """``rows`` with every row at or past its sequence's length set to zero.
+
+    ``rows`` is ``(*sequence batch, [Hq,] n, X)`` (``features=False``: without ``X``) and
+    ``heads`` is 1 where it has the heads axis, else 0. Rows past the lengths are padding:
+    memory the caller may never have initialised. Every restriction already gives them zero
+    weight, but a product of a zero weight with a NaN or an infinity there is NaN, so the
+    kernels receive zeros instead; ``xp.where`` also makes their gradients exactly zero.
+    """
+    if lengths is None:
+        return rows
+    limit = lengths.array
+    trailing = (1,) * (heads + 1 + features)
+    limit = xp.reshape(limit, (*tuple(limit.shape), *trailing))
+    positions = xp.arange(n, dtype=limit.dtype, device=device(rows))
+    if features:
+        positions = xp.reshape(positions, (n, 1))
+    zero = xp.zeros((), dtype=rows.dtype, device=device(rows))
+    return xp.where(positions < limit, rows, zero)
+
+
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     try:
         return tuple(np.broadcast_shapes(shape, target)) == tuple(target)
@@ -79,6 +108,8 @@ def _integer_array(
     if isinstance(value, bool | np.bool_):
         raise TypeError(f"{name} must be integers, got a bool")
     if isinstance(value, numbers.Integral):
+        if not -(2**62) <= int(value) <= 2**62:
+            raise ValueError(f"{name} must be between 0 and the sequence length, got {value}")
         host = np.asarray(int(value))
         return xp.asarray(host, dtype=index_dtype, device=device), host
     if isinstance(value, np.ndarray) and xp.__name__ != np.__name__:

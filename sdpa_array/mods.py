@@ -285,7 +285,7 @@ def alibi_slopes(heads: int) -> np.ndarray:
     >>> alibi_slopes(3) * 2**8
     array([16.,  1., 64.])
     """
-    heads = check_index("heads", heads, minimum=1)
+    heads = check_index("heads", heads, minimum=1, maximum=2**20)
 
     def power_of_two(n: int) -> list[float]:
         # start ** (i + 1) with start = 2 ** (-8 / n), one rounding each: exact where a

@@ -19,8 +19,11 @@ with ``torch`` to try the suite on a CPU; ``SDPA_BENCH_GPU_DTYPES`` and
 from __future__ import annotations
 
 import functools
+import json
 import os
 import statistics
+import tempfile
+from pathlib import Path
 from typing import Any, ClassVar
 
 from sdpa_array import (
@@ -122,11 +125,31 @@ def _torch_backward(backend: Any, q: Any, k: Any, v: Any, g: Any, causal: bool) 
     return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
 
 
+def _measured(*key: str) -> dict:
+    """:func:`_measure`, once per asv run: asv runs each ``track_*`` benchmark in a process
+    of its own, forked from one server process, so the measurement is kept in a file named
+    by that server's pid (the three tracks of a combination then read one measurement)."""
+    folder = Path(tempfile.gettempdir()) / f"sdpa_array_gpu_bench_{os.getppid()}"
+    path = folder / ("-".join(key).replace(":", "_").replace("/", "_") + ".json")
+    if path.exists():
+        kept = json.loads(path.read_text())
+    else:
+        try:
+            kept = _measure(*key)
+        except NotImplementedError as exc:
+            kept = {"skipped": str(exc)}
+        folder.mkdir(exist_ok=True)
+        path.write_text(json.dumps(kept))
+    if "skipped" in kept:
+        raise NotImplementedError(kept["skipped"])
+    return kept
+
+
 class _Tracks:
     direction = "forward"
 
     def setup(self, backend_id: str, impl: str, dtype: str, shape_text: str) -> None:
-        self.m = _measure(self.direction, backend_id, impl, dtype, shape_text)
+        self.m = _measured(self.direction, backend_id, impl, dtype, shape_text)
 
     def track_tflops(self, *params: str) -> float:
         return self.m["flops"] / self.m["ours"] / 1e12

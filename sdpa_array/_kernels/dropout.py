@@ -32,14 +32,16 @@ place chunk by chunk (:func:`_numpy_keep_chunks`): the same bits at half the byt
 from __future__ import annotations
 
 import math
+import numbers
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from .._compat import array_namespace
 from .._typing import Array
 from . import inplace
 from .slicing import at_batch
@@ -286,13 +288,11 @@ class Dropout:
 
 def check_dropout(dropout_p: Any, dropout_seed: Any) -> tuple[float, int | None]:
     """Validated ``(dropout_p, dropout_seed)``; raise naming the argument otherwise."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        try:
-            dropout_p = float(dropout_p)  # NumPy scalars
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"dropout_p must be a real number in [0, 1), got {type(dropout_p).__name__}"
-            ) from None
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):  # NumPy's too
+        raise TypeError(
+            f"dropout_p must be a real number in [0, 1), got {type(dropout_p).__name__} "
+            f"{dropout_p!r}"
+        )
     value = float(dropout_p)
     if not (0.0 <= value < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
@@ -310,6 +310,21 @@ def check_dropout(dropout_p: Any, dropout_seed: Any) -> tuple[float, int | None]
     except TypeError:
         raise TypeError(f"dropout_seed must be an int, got {type(dropout_seed).__name__}") from None
     return value, seed
+
+
+def _shape(shape: Any) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints with at least two entries, or an error
+    naming it."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+        raise TypeError(f"shape must be a tuple of ints (..., L, S), got {type(shape).__name__}")
+    sizes = []
+    for n in shape:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"shape must be a tuple of ints (..., L, S), got {tuple(shape)!r}")
+        sizes.append(int(n))
+    if len(sizes) < 2 or any(n < 0 for n in sizes):
+        raise ValueError(f"shape must be (..., L, S) with non-negative sizes, got {tuple(sizes)}")
+    return tuple(sizes)
 
 
 def dropout_keep_mask(
@@ -357,13 +372,18 @@ def dropout_keep_mask(
     p, seed_value = check_dropout(dropout_p, seed)
     if seed_value is None:
         seed_value = 0
-    shape = tuple(operator.index(n) for n in shape)
-    if len(shape) < 2 or any(n < 0 for n in shape):
-        raise ValueError(f"shape must be (..., L, S) with non-negative sizes, got {shape}")
+    shape = _shape(shape)
     if xp is None:
-        from .._compat import array_namespace
-
         xp = array_namespace({"x": np.empty(0)})
+    elif not isinstance(xp, ModuleType) or not callable(getattr(xp, "asarray", None)):
+        raise TypeError(
+            f"xp must be an Array-API namespace (a module such as array_api_compat.numpy), "
+            f"got {type(xp).__name__} {xp!r}"
+        )
+    try:
+        xp.asarray(0, device=device)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"device must be a device of {xp.__name__}, got {device!r}") from exc
     L, S = shape[-2:]
     keys = key_grid(xp, seed_value, shape[:-2], device)[..., None, None]
     keep = keep_tile(xp, keys, slice(0, L), slice(0, S), threshold(p), device)

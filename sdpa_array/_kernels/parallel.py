@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from threadpoolctl import ThreadpoolController
 
@@ -135,13 +136,39 @@ def map_blocks(xp: ModuleType, fn: Callable[[T], R], items: Sequence[T]) -> list
 
 # Created at the first pooled call: building it inspects the loaded native libraries.
 _controller: ThreadpoolController | None = None
+# Calls running a pool now, and the BLAS limits the first of them found (restored by the
+# last): concurrent calls share one limit instead of each restoring what the one before it
+# set.
+_lock = threading.Lock()
+_holders = 0
+_originals: list[tuple[Any, int]] = []
 
 
 @contextlib.contextmanager
 def _single_threaded_blas() -> Iterator[None]:
-    """Limit BLAS to one thread per call while the pool runs (process-wide, restored after)."""
-    global _controller
-    if _controller is None:
-        _controller = ThreadpoolController()
-    with _controller.limit(limits=1, user_api="blas"):
+    """Limit BLAS to one thread per call while any pool runs (process-wide).
+
+    The first of the concurrent calls records each BLAS library's thread count and sets it
+    to 1; the last one to end restores the recorded counts, except in a library whose count
+    the caller changed meanwhile (it is no longer 1): the caller's setting stays.
+    """
+    global _controller, _holders
+    with _lock:
+        if _holders == 0:
+            if _controller is None:
+                _controller = ThreadpoolController()
+            libraries = _controller.select(user_api="blas").lib_controllers
+            _originals[:] = [(lib, lib.num_threads) for lib in libraries]
+            for lib, _ in _originals:
+                lib.set_num_threads(1)
+        _holders += 1
+    try:
         yield
+    finally:
+        with _lock:
+            _holders -= 1
+            if _holders == 0:
+                for lib, threads in _originals:
+                    if lib.num_threads == 1:
+                        lib.set_num_threads(threads)
+                _originals.clear()
