@@ -24,6 +24,7 @@ __all__ = [
     "device",
     "host_values",
     "is_array_api_obj",
+    "is_dask_array",
     "is_jax_namespace",
     "is_torch_namespace",
     "known_value",

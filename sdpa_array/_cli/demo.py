@@ -56,7 +56,9 @@ def _median_seconds(run: Callable[[], Any], sync: Callable[[Any], None], repeats
     return statistics.median(times)
 
 
-def run_case(backend: Backend, dtype: str, case: dict[str, Any], repeats: int = 5) -> dict:
+def run_case(
+    backend: Backend, dtype: str, case: dict[str, Any], repeats: int = 5
+) -> dict[str, Any]:
     """Run one case on one backend/dtype; return its errors, bounds and median time."""
     arrays: dict[str, Any] = {}
     rounded: dict[str, np.ndarray] = {}

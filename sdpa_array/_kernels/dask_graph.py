@@ -255,7 +255,7 @@ def _tree(
     index: Key,
     keys: list[Key],
     fan_in: int,
-    combine: Callable,
+    combine: Callable[..., Any],
     root: Key | None = None,
 ) -> Key:
     """Reduce ``keys`` with ``combine`` in a tree of fan-in ``fan_in``; the root's key

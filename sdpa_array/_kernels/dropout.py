@@ -166,7 +166,7 @@ def keep_tile(
 def _chunk_rows(keys: Array, cols: slice) -> int:
     """Rows per step of :data:`CHUNK` integers."""
     per_row = max(1, math.prod(keys.shape[:-2]) * (cols.stop - cols.start))
-    return max(1, CHUNK // per_row)
+    return max(1, CHUNK // int(per_row))
 
 
 def _is_numpy(keys: Array) -> bool:

@@ -44,7 +44,7 @@ class QueryKeyAsymmetry:
     @property
     def received(self) -> np.ndarray:
         """Column sums of :attr:`weights`: the total attention each key receives."""
-        return self.weights.sum(axis=0)
+        return np.asarray(self.weights.sum(axis=0))
 
     @property
     def max_swap_difference(self) -> float:
@@ -54,7 +54,7 @@ class QueryKeyAsymmetry:
     @property
     def grad_query_sum(self) -> np.ndarray:
         """``Σ_i dL/dQ_i``: nothing forces it to 0."""
-        return self.grad_query.sum(axis=0)
+        return np.asarray(self.grad_query.sum(axis=0))
 
     @property
     def grad_key_sum(self) -> np.ndarray:
@@ -63,7 +63,7 @@ class QueryKeyAsymmetry:
         Adding one vector to every key adds a constant to each row of scores, which the
         row softmax ignores; this is the gradient of that invariance.
         """
-        return self.grad_key.sum(axis=0)
+        return np.asarray(self.grad_key.sum(axis=0))
 
 
 def query_key_asymmetry(

@@ -347,7 +347,7 @@ class GradientFlow:
 
     def quantile(self, q: float) -> np.ndarray:
         """Quantile ``q`` of the row norms, shape ``(len(scales), len(d_k))``."""
-        return np.quantile(self.grad_query_norms, q, axis=-1)
+        return np.asarray(np.quantile(self.grad_query_norms, q, axis=-1))
 
     @property
     def median(self) -> np.ndarray:
@@ -357,7 +357,7 @@ class GradientFlow:
     @property
     def rms(self) -> np.ndarray:
         """Root-mean-square row norm, ``||dQ||_F / sqrt(rows)``: dominated by the largest rows."""
-        return np.sqrt(np.mean(self.grad_query_norms**2, axis=-1))
+        return np.asarray(np.sqrt(np.mean(self.grad_query_norms**2, axis=-1)))
 
 
 def gradient_flow(

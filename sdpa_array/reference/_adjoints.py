@@ -33,4 +33,4 @@ def unrepeat_heads(grad: np.ndarray, group: int) -> np.ndarray:
     if group == 1:
         return grad
     *batch, h, s, e = grad.shape
-    return grad.reshape(*batch, h // group, group, s, e).sum(axis=-3)
+    return np.asarray(grad.reshape(*batch, h // group, group, s, e).sum(axis=-3))

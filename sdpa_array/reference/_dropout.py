@@ -32,12 +32,12 @@ _C3 = np.uint64(0x5BD1_E995 & (2**31 - 1))
 
 
 def _mulmod(x: np.ndarray, c: np.uint64) -> np.ndarray:
-    return (x * c) & _M31
+    return np.asarray((x * c) & _M31)
 
 
 def _finish(x: np.ndarray) -> np.ndarray:
     x = _mulmod(x, _C1)
-    x = x ^ (x >> np.uint64(15))
+    x = np.asarray(x ^ (x >> np.uint64(15)))
     return _mulmod(x, _C2)
 
 
@@ -45,7 +45,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.uint64) & _M31
     x = x ^ (x >> np.uint64(16))
     x = _finish(x)
-    return x ^ (x >> np.uint64(16))
+    return np.asarray(x ^ (x >> np.uint64(16)))
 
 
 def keep_mask(seed: int, shape: tuple[int, ...], p: float) -> np.ndarray:
@@ -63,4 +63,4 @@ def keep_mask(seed: int, shape: tuple[int, ...], p: float) -> np.ndarray:
     rows = _mix(key ^ i)
     cols = _mix(_mix(key ^ _C3) ^ j)
     keep = _finish(rows ^ cols) >= np.uint64(math.floor(p * 2**31))
-    return keep.reshape(shape)
+    return np.asarray(keep.reshape(shape))

@@ -138,8 +138,9 @@ def _from_numpy_plain(module: str) -> Callable[[np.ndarray, str, str], Any]:
 def _configure_jax() -> None:
     import jax
 
-    jax.config.update("jax_enable_x64", True)
-    jax.config.update("jax_default_matmul_precision", "highest")
+    config: Any = jax.config  # untyped in some JAX versions, typed in others
+    config.update("jax_enable_x64", True)
+    config.update("jax_default_matmul_precision", "highest")
 
 
 def _configure_torch() -> None:

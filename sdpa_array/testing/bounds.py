@@ -199,7 +199,7 @@ def score_error(
         err += 2 * u * s_max
         if softcap is not None:
             err += base2_terms(dtype, S=0, lse_max=0.0)["softcap"] * softcap
-    return err + 3 * u * bias_mod_max
+    return float(err + 3 * u * bias_mod_max)
 
 
 def mod_bias_extent(bias_mod: Any, score_shape: tuple[int, ...]) -> float:
