@@ -78,7 +78,7 @@ def test_table_covers_the_measured_libraries():
 
 
 @pytest.mark.parametrize("library", sorted(BACKEND_OF))
-def test_auto_follows_the_library_threshold(library):
+def test_auto_follows_the_library_threshold(library, monkeypatch):
     threshold = _dispatch.AUTO_BLOCKED_BYTES_BY_LIBRARY[library]
     below, x_below = problem_of(BACKEND_OF[library], threshold, above=False)
     above, x_above = problem_of(BACKEND_OF[library], threshold, above=True)
@@ -87,13 +87,19 @@ def test_auto_follows_the_library_threshold(library):
     # the VJP
     assert _dispatch.choose(below, "auto").name == "materialized"
     assert _dispatch.choose(above, "auto").name == "blocked"
-    # the forward, where no native kernel takes the call
-    request = forward_request(below, x_below)
-    if request is not None:
-        assert _dispatch.choose(below, "auto", request=request).name == "materialized"
-    request = forward_request(above, x_above)
-    if request is not None:
-        assert _dispatch.choose(above, "auto", request=request).name == "blocked"
+    # the forward: a native kernel takes these calls on torch and JAX, so the rule behind
+    # it is checked with the native planner refusing every call
+    native_takes = [forward_request(p, x) is None for p, x in ((below, x_below), (above, x_above))]
+    assert native_takes == [library in ("torch", "jax")] * 2
+
+    def refuse(p, request):
+        raise CannotDelegateError("refused by the test")
+
+    monkeypatch.setattr(_dispatch, "plan_native", refuse)
+    forward = Request(x_below, False, False)
+    assert _dispatch.choose(below, "auto", request=forward).name == "materialized"
+    forward = Request(x_above, False, False)
+    assert _dispatch.choose(above, "auto", request=forward).name == "blocked"
 
 
 def test_weights_stay_materialized_above_the_threshold():

@@ -205,18 +205,69 @@ def test_additive_attention_matches_loop(backend: Backend) -> None:
     np.testing.assert_allclose(reference.to_numpy(weights), want_weights, rtol=1e-12, atol=1e-14)
 
 
+class _Counted:
+    """NumPy operations that tally their flops as they run: a product of ``(a, k)`` and
+    ``(k, b)`` costs ``2 a k b``, an element-wise operation one per result element and a
+    reduction one per element reduced (the convention of :mod:`sdpa_array.lab.cost`)."""
+
+    def __init__(self) -> None:
+        self.flops = 0
+
+    def matmul(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        out = a @ b
+        self.flops += 2 * out.size * a.shape[-1]
+        return out
+
+    def elementwise(self, fn, *args: np.ndarray) -> np.ndarray:
+        out = fn(*args)
+        self.flops += out.size
+        return out
+
+    def reduce(self, fn, a: np.ndarray) -> np.ndarray:
+        self.flops += a.size
+        return fn(a, axis=-1, keepdims=True)
+
+    def softmax(self, s: np.ndarray) -> np.ndarray:
+        top = self.reduce(np.max, s)
+        e = self.elementwise(np.exp, self.elementwise(np.subtract, s, top))
+        return self.elementwise(np.divide, e, self.reduce(np.sum, e))
+
+
 @pytest.mark.parametrize(
     ("n", "m", "dq", "dk", "da", "dv"), [(128, 128, 64, 64, 64, 64), (3, 5, 2, 7, 11, 13)]
 )
-def test_flop_counts(n: int, m: int, dq: int, dk: int, da: int, dv: int) -> None:
-    dot = lab.dot_product_attention_flops(n, m, dk, dv)
-    assert dot.total == 2 * n * m * dk + n * m + 5 * n * m + 2 * n * m * dv
-    once = lab.additive_attention_flops(n, m, dq, dk, da, dv)
-    pairwise = n * m * da + n * m * da + 2 * n * m * da + 5 * n * m + 2 * n * m * dv
-    assert once.total == 2 * n * da * dq + 2 * m * da * dk + pairwise
-    naive = lab.additive_attention_flops(n, m, dq, dk, da, dv, project_once=False)
-    assert naive.total == 2 * n * m * da * (dq + dk) + pairwise
-    assert [name for name, _ in once.terms][2:] == [name for name, _ in naive.terms][2:]
+def test_flop_counts_are_those_of_the_computation(
+    n: int, m: int, dq: int, dk: int, da: int, dv: int
+) -> None:
+    """The lab's flop counts equal the flops tallied while computing each attention step by
+    step (and the step-by-step results equal the lab's and the oracle's)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(shape) for shape in ((n, dk), (m, dk), (m, dv)))
+    dot = _Counted()
+    scores = dot.elementwise(np.multiply, dot.matmul(q, k.T), np.full((n, m), dk**-0.5))
+    out = dot.matmul(dot.softmax(scores), v)
+    assert dot.flops == lab.dot_product_attention_flops(n, m, dk, dv).total
+    np.testing.assert_allclose(out, reference.scaled_dot_product_attention(q, k, v))
+
+    q, k = rng.standard_normal((n, dq)), rng.standard_normal((m, dk))
+    w, u, v_a = (rng.standard_normal(shape) for shape in ((da, dq), (da, dk), (da,)))
+    for once in (True, False):
+        add = _Counted()
+        if once:
+            hidden = add.elementwise(
+                np.add, add.matmul(q, w.T)[:, None, :], add.matmul(k, u.T)[None, :, :]
+            )
+        else:  # W q_i and U k_j again for every pair
+            pairs_q = np.broadcast_to(q[:, None, None, :], (n, m, 1, dq))
+            pairs_k = np.broadcast_to(k[None, :, None, :], (n, m, 1, dk))
+            hidden = add.elementwise(
+                np.add, add.matmul(pairs_q, w.T)[..., 0, :], add.matmul(pairs_k, u.T)[..., 0, :]
+            )
+        scores = add.matmul(add.elementwise(np.tanh, hidden), v_a[:, None])[..., 0]
+        out = add.matmul(add.softmax(scores), v)
+        counted = lab.additive_attention_flops(n, m, dq, dk, da, dv, project_once=once)
+        assert add.flops == counted.total, (once, add.flops, counted.terms)
+        np.testing.assert_allclose(out, lab.additive_attention(q, k, v, w, u, v_a), rtol=1e-10)
 
 
 def test_flop_orders() -> None:
