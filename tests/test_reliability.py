@@ -83,6 +83,20 @@ def test_garbage_in_padding_is_never_read(eager_backend, implementation, fill):
 
 
 @pytest.mark.parametrize("fill", [pytest.param(np.nan, id="nan"), pytest.param(np.inf, id="inf")])
+def test_garbage_in_padding_on_dask(dask_backend, fill):
+    garbage, zeros = _padded(fill)
+    run = {**_lengths(dask_backend), "is_causal": True}
+    results = []
+    for arrays in (garbage, zeros):
+        q, k, v, g = (dask_backend.asarray(a, "float32") for a in arrays)
+        out = sdpa_array.scaled_dot_product_attention(q, k, v, **run)
+        grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **run)
+        results.append((out, *grads))
+    for got, expected in zip(*results, strict=True):
+        _same(got, expected)
+
+
+@pytest.mark.parametrize("fill", [pytest.param(np.nan, id="nan"), pytest.param(np.inf, id="inf")])
 def test_garbage_in_padding_under_autograd(autograd_backend, fill):
     backend = autograd_backend
     garbage, zeros = _padded(fill)
@@ -186,6 +200,36 @@ def _work(i: int) -> np.ndarray:
 def test_concurrent_calls_match_serial_ones_and_restore_the_limit(two_blas_threads):
     serial = {i: _work(i) for i in range(12)}
     concurrent = _calls(12, _work)
+    for i in range(12):
+        np.testing.assert_array_equal(concurrent[i], serial[i])
+    assert _blas_threads() == [2] * len(_blas_threads())
+
+
+def test_threads_of_several_libraries_and_shapes(two_blas_threads):
+    """NumPy (on the pool), torch and array-api-strict calls of different shapes and
+    implementations, concurrently: each result is the serial one."""
+    from sdpa_array.testing import get_backend
+
+    backends = []
+    for name in ("numpy", "torch", "strict"):
+        try:
+            backends.append(get_backend(name))
+        except Exception:  # the library is not installed: its calls are left out
+            continue
+
+    def work(i: int):
+        backend = backends[i % len(backends)]
+        rng = np.random.default_rng(i)
+        L = 24 + 8 * (i % 4)
+        q, k, v = (backend.asarray(rng.standard_normal((2, 2, L, 8)), "float32") for _ in "qkv")
+        implementation = ("blocked", "materialized")[i % 2]
+        out = sdpa_array.scaled_dot_product_attention(
+            q, k, v, is_causal=True, implementation=implementation, key_lengths=L - 3
+        )
+        return reference.to_numpy(out)
+
+    serial = {i: work(i) for i in range(12)}
+    concurrent = _calls(12, work)
     for i in range(12):
         np.testing.assert_array_equal(concurrent[i], serial[i])
     assert _blas_threads() == [2] * len(_blas_threads())

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import sdpa_array
-from sdpa_array import mods
+from sdpa_array import mods, reference
 
 RNG = np.random.default_rng(0)
 Q = RNG.standard_normal((2, 2, 5, 4))
@@ -79,8 +79,15 @@ def _has_nan(x: Any) -> bool:
     arrays = x if isinstance(x, (tuple, list)) else (x,)
     found = False
     for a in arrays:
-        if isinstance(a, np.ndarray) and a.dtype.kind in "fc":
-            found |= bool(np.isnan(a).any())
+        if isinstance(a, (list, tuple)):
+            found |= _has_nan(a)
+            continue
+        try:
+            values = reference.to_numpy(a)
+        except (TypeError, ValueError):  # not an array
+            continue
+        if values.dtype.kind in "fc":
+            found |= bool(np.isnan(values).any())
     return found
 
 
@@ -290,3 +297,41 @@ def test_none_for_a_required_argument(name: str) -> None:
     for replaced in positional:
         fn, args, kwargs = _call(name, replaced, None)
         _check(name, replaced, None, fn, args, kwargs)
+
+
+#: The functions that take the caller's arrays, tried on every eager backend.
+ARRAY_CALLS = (
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_vjp",
+    "explain",
+    "attention_with_kv_cache",
+    "merge_attention_states",
+)
+
+
+def _on(backend: Any, value: Any) -> Any:
+    if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+        return backend.asarray(value, "float32")
+    if isinstance(value, list) and value and isinstance(value[0], np.ndarray):
+        return [_on(backend, v) for v in value]
+    return value
+
+
+@st.composite
+def malformed_array_call(draw: Any) -> tuple[str, str, int]:
+    name = draw(st.sampled_from(ARRAY_CALLS))
+    replaced = draw(st.sampled_from(sorted(CALLS[name][2])))
+    return name, replaced, draw(st.sampled_from(range(len(BAD))))
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(case=malformed_array_call())
+def test_malformed_calls_on_every_backend(eager_backend: Any, case: tuple[str, str, int]) -> None:
+    """The same malformed calls with the valid arrays on each eager backend (the pool's
+    NumPy arrays are then another library's)."""
+    name, replaced, index = case
+    fn, positional, valid = CALLS[name]
+    given = {key: _on(eager_backend, value) for key, value in valid.items()}
+    given[replaced] = BAD[index]
+    args = tuple(given.pop(n) for n in positional)
+    _check(name, replaced, BAD[index], fn, args, given)

@@ -457,6 +457,36 @@ def test_dropout_keeps_the_same_weights_as_dropout_keep_mask(triton_backend: Bac
     np.testing.assert_array_equal(np.swapaxes(dv, -1, -2) != 0, expected)
 
 
+@pytest.mark.parametrize("fill", [np.nan, np.inf])
+def test_padding_is_never_read(triton_backend: Backend, fill: float) -> None:
+    """NaN or inf past the lengths (queries, keys, values, the output's cotangent) leaves
+    ``implementation="triton"``'s outputs and gradients those of zeros there, and the
+    padding's gradients zero (the public functions zero the padding first)."""
+    rng = np.random.default_rng(6)
+    q_len, k_len = np.array([40, 9]), np.array([23, 40])
+    clean = [rng.standard_normal((2, 2, 40, 16)).astype(np.float32) for _ in range(4)]
+    dirty = [a.copy() for a in clean]
+    for b in range(2):
+        for a, clean_a, n in zip(dirty, clean, (q_len, k_len, k_len, q_len), strict=True):
+            a[b, :, n[b] :] = fill
+            clean_a[b, :, n[b] :] = 0
+    lengths = {"query_lengths": q_len, "key_lengths": k_len, "implementation": "triton"}
+    results = []
+    for arrays in (dirty, clean):
+        q, k, v, g = (triton_backend.asarray(a, "float32") for a in arrays)
+        out = sdpa_array.scaled_dot_product_attention(q, k, v, **lengths)
+        grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **lengths)
+        results.append([_host(a) for a in (out, *grads)])
+    for got, want in zip(*results, strict=True):
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    _, dq, dk, dv = results[0]
+    for b in range(2):
+        assert not dq[b, :, q_len[b] :].any()
+        assert not dk[b, :, k_len[b] :].any()
+        assert not dv[b, :, k_len[b] :].any()
+
+
 def _admissible_blocks(allowed: np.ndarray, bm: int, bn: int) -> np.ndarray:
     """``[..., i, j]``: whether query block ``i`` and key block ``j`` hold an admissible pair."""
     L, S = allowed.shape[-2:]
