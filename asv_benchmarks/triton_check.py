@@ -26,12 +26,12 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+from sdpa_array._kernels.result import finish_gradients
 from sdpa_array._kernels.triton import plan_triton, triton_attention, triton_vjp
 from sdpa_array._kernels.triton.attention import run_backward, run_forward
 from sdpa_array._kernels.triton.configs import tuning_configs
 from sdpa_array._options import Options
 from sdpa_array._problem import Inputs, validate
-from sdpa_array._result import finish_gradients
 
 DEV = torch.device("cuda")
 torch.backends.cuda.matmul.allow_tf32 = False

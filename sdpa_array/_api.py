@@ -5,7 +5,7 @@ It reads the same way as the VJP's (:mod:`sdpa_array._api_vjp`):
 :class:`~sdpa_array._problem.Problem` before any array work;
 :func:`~sdpa_array._dispatch.choose` picks the implementation from the one table;
 the kernel runs (the forward through :mod:`sdpa_array._autograd`, which wraps it for torch
-and JAX autodiff where needed); :mod:`sdpa_array._result` casts and packs the result.
+and JAX autodiff where needed); :mod:`sdpa_array._kernels.result` casts and packs the result.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Literal, overload
 from . import _autograd
 from ._dispatch import choose
 from ._kernels.native import Request
+from ._kernels.result import empty_result, finalize
 from ._options import Options
 from ._problem import Inputs, check_flag, validate
-from ._result import empty_result, finalize
 from ._typing import Alignment, Array, BiasMod, ImplementationName, MaskMod
 
 __all__ = ["scaled_dot_product_attention"]

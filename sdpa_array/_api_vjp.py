@@ -2,7 +2,7 @@
 
 It reads like the forward (:mod:`sdpa_array._api`): :func:`~sdpa_array._problem.validate`
 checks every argument before any array work, :func:`~sdpa_array._dispatch.choose` picks the
-backward implementation from the same table, and :mod:`sdpa_array._result` casts and sums
+backward implementation from the same table, and :mod:`sdpa_array._kernels.result` casts and sums
 the gradients back to the inputs' shapes.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from ._compat import array_namespace
 from ._dispatch import choose
+from ._kernels.result import finish_gradients, zero_gradients
 from ._options import Options
 from ._problem import Inputs, Problem, validate
-from ._result import finish_gradients, zero_gradients
 from ._typing import Alignment, Array, BiasMod, MaskMod, VJPImplementationName
 
 __all__ = ["scaled_dot_product_attention_vjp"]

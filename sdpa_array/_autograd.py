@@ -42,8 +42,8 @@ from typing import Any
 from ._compat import namespace_name
 from ._dispatch import Choice, choose
 from ._kernels.native import Request, plan_native
+from ._kernels.result import AttentionResult, finish_gradients
 from ._problem import Inputs, Problem
-from ._result import AttentionResult, finish_gradients
 from ._typing import Array
 
 __all__ = ["forward"]

@@ -27,12 +27,12 @@ from ._kernels.native import (
     plan_native,
     plan_native_vjp,
 )
+from ._kernels.result import AttentionResult, RawGrads
 from ._kernels.tiling import TILE_BYTES, check_block_sizes
 from ._kernels.triton import CannotUseTritonError, plan_triton, triton_attention, triton_vjp
 from ._kernels.vjp_blocked import blocked_vjp
 from ._kernels.vjp_materialized import materialized_vjp
 from ._problem import Inputs, Problem
-from ._result import AttentionResult, RawGrads
 from ._sequences import zero_past
 from ._typing import Array
 
@@ -213,7 +213,7 @@ class Choice:
         lse: Array = None,
         grad_lse: Array = None,
     ) -> RawGrads:
-        """Run the backward kernel (raw gradients; see :mod:`sdpa_array._result`), with the
+        """Run the backward kernel (raw gradients; see :mod:`sdpa_array._kernels.result`), with the
         padding of inputs and cotangents set to zero (:meth:`Inputs.without_padding`)."""
         run = self.row.backward
         if run is None:

@@ -4,7 +4,7 @@
 (:mod:`sdpa_array._kv_cache_args`), writes the new tokens into the caches (:func:`_write`),
 cuts each sequence's attended tokens into chunks (:func:`_plan`), attends to every chunk with
 :func:`~sdpa_array.scaled_dot_product_attention` on that chunk's keys only, on NumPy's
-thread pool (:func:`~sdpa_array._kernels.parallel.map_blocks`), and merges each sequence's
+thread pool (:func:`~sdpa_array._arrays.parallel.map_blocks`), and merges each sequence's
 chunks with :func:`~sdpa_array.merge_attention_states` (split-K "flash-decoding").
 
 Everything is Array-API code; the only per-library choices are how the new tokens are written
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ._api import scaled_dot_product_attention
-from ._kernels.parallel import map_blocks
+from ._arrays.parallel import map_blocks
 from ._kv_cache_args import CacheCall, check_call
 from ._merge import merge_attention_states
 from ._typing import Array

@@ -28,7 +28,7 @@ from sdpa_array._compat import (
     namespace_name,
 )
 
-from ._kernels import inplace
+from ._arrays import inplace
 
 __all__ = [
     "AlibiMod",

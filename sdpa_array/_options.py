@@ -10,12 +10,14 @@ documented on :func:`sdpa_array.scaled_dot_product_attention`.
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import operator
 from dataclasses import dataclass
 from typing import Any
 
 from ._typing import Alignment, Array, BiasMod, MaskMod
 
-__all__ = ["Options"]
+__all__ = ["Options", "check_dropout"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,3 +73,29 @@ class Options:
 
 #: The options' names.
 NAMES = frozenset(field.name for field in dataclasses.fields(Options))
+
+
+def check_dropout(dropout_p: Any, dropout_seed: Any) -> tuple[float, int | None]:
+    """Validated ``(dropout_p, dropout_seed)``; raise naming the argument otherwise."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):  # NumPy's too
+        raise TypeError(
+            f"dropout_p must be a real number in [0, 1), got {type(dropout_p).__name__} "
+            f"{dropout_p!r}"
+        )
+    value = float(dropout_p)
+    if not (0.0 <= value < 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if value == 0.0:
+        return 0.0, None
+    if dropout_seed is None:
+        raise ValueError(
+            f"dropout_p={dropout_p!r} needs dropout_seed (a Python int): the keep mask is a "
+            "function of the seed, so that the backward pass can regenerate it"
+        )
+    if isinstance(dropout_seed, bool):
+        raise TypeError("dropout_seed must be an int, got bool")
+    try:
+        seed = operator.index(dropout_seed)
+    except TypeError:
+        raise TypeError(f"dropout_seed must be an int, got {type(dropout_seed).__name__}") from None
+    return value, seed

@@ -16,11 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from ._band import Band
 from ._compat import array_namespace, device, is_array_api_obj, known_value, on_gpu
-from ._kernels.dropout import check_dropout
-from ._kernels.restrictions import Band
 from ._mod_args import check_mods
-from ._options import Options
+from ._options import Options, check_dropout
 from ._sequences import Lengths, Segments, check_lengths, check_segments, zero_past
 from ._typing import Array
 

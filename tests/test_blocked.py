@@ -15,9 +15,11 @@ from hypothesis import given
 
 import sdpa_array
 from sdpa_array import _dispatch, reference
+from sdpa_array._arrays import parallel
+from sdpa_array._band import Band
 from sdpa_array._compat import array_namespace
-from sdpa_array._kernels import blocked, parallel, tiling
-from sdpa_array._kernels.restrictions import Band, Restrictions, TileKind
+from sdpa_array._kernels import blocked, tiling
+from sdpa_array._kernels.restrictions import Restrictions, TileKind
 from sdpa_array._options import Options
 from sdpa_array._problem import validate
 from tests.conftest import SHAPE_COMPILING_LIBRARIES
@@ -464,7 +466,7 @@ def test_where_columns_changes_only_its_columns(backend):
     """``inplace.where_columns`` replaces the masked entries of its columns by ``fill`` and
     keeps everything else, in place or not; a condition with more batch elements than the
     scores broadcasts them."""
-    from sdpa_array._kernels import inplace
+    from sdpa_array._arrays import inplace
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((1, 4, 6)).astype(np.float32)

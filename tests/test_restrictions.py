@@ -12,7 +12,8 @@ import hypothesis.strategies as st
 import numpy as np
 from hypothesis import given
 
-from sdpa_array._kernels.restrictions import Band, DenseMask, Restrictions, TileKind
+from sdpa_array._band import Band
+from sdpa_array._kernels.restrictions import DenseMask, Restrictions, TileKind
 from sdpa_array._kernels.tiling import plan_backward, plan_blocks
 from sdpa_array._options import Options
 from sdpa_array._problem import validate

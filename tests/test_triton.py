@@ -38,6 +38,7 @@ if importlib.util.find_spec("triton") is None:
 
 import sdpa_array
 from sdpa_array import reference
+from sdpa_array._kernels.result import AttentionResult, finalize, finish_gradients
 from sdpa_array._kernels.triton import (
     CannotUseTritonError,
     plan_triton,
@@ -49,7 +50,6 @@ from sdpa_array._kernels.triton.attention import run_backward, run_forward
 from sdpa_array._kernels.triton.configs import Blocks, interpreting
 from sdpa_array._options import Options
 from sdpa_array._problem import Inputs, Problem, validate
-from sdpa_array._result import AttentionResult, finalize, finish_gradients
 from sdpa_array.testing import assert_array_like, assert_close, assert_within, get_backend
 from sdpa_array.testing.backends import Backend
 from sdpa_array.testing.bounds import (

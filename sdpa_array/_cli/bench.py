@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             cases.append(_Case(backend, (1, 8, 1024, 64), False))
     steps = len(cases) + (1 if args.memory else 0)
 
-    from .._kernels import parallel
+    from .._arrays import parallel
 
     _emit(
         f"# sdpa_array bench: {args.dtype}, times in ms as median (min-max) of {repeat} "

@@ -8,7 +8,7 @@ raises the maximum. Queries are processed in blocks too, so the largest temporar
 
 The tiles come from :func:`~sdpa_array._kernels.tiling.plan_blocks`, which skips the tiles
 the restrictions empty and marks the full ones (no mask built). Independent (batch slice,
-query block) items run through :func:`~sdpa_array._kernels.parallel.map_blocks`, the one
+query block) items run through :func:`~sdpa_array._arrays.parallel.map_blocks`, the one
 place that knows which libraries run them concurrently.
 """
 
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import math
 
+from .._arrays import inplace
+from .._arrays.parallel import map_blocks
 from .._problem import Inputs, Problem
-from .._result import AttentionResult
 from .._typing import Array
-from . import inplace
 from .layout import broadcast_if_needed, concat, ungroup
 from .materialized import materialized_attention
 from .operands import Operands, prepare, tile_scores
-from .parallel import map_blocks
+from .result import AttentionResult
 from .softmax import exp_shift, log_sum_exp, row_sum, safe_reciprocal
 from .tiling import (
     QueryBlock,

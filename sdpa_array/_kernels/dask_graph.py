@@ -33,14 +33,15 @@ from typing import Any
 
 import numpy as np
 
+from .._band import Band
 from .._compat import array_namespace, device, is_dask_array
 from .._options import Options
 from .._problem import Inputs, Problem, validate
-from .._result import AttentionResult, RawGrads
 from .._typing import Array
 from .blocked import blocked_attention
 from .layout import broadcast_if_needed, grouped_operand, grouped_score_term, sum_to_shape, ungroup
-from .restrictions import Band, Restriction, Restrictions, TileKind
+from .restrictions import Restriction, Restrictions, TileKind
+from .result import AttentionResult, RawGrads
 from .sequences import sequence_members
 from .vjp_blocked import blocked_vjp
 

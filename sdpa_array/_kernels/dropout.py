@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -41,10 +40,11 @@ from typing import Any
 
 import numpy as np
 
+from .._arrays import inplace
+from .._arrays.slicing import at_batch
 from .._compat import array_namespace
+from .._options import check_dropout
 from .._typing import Array
-from . import inplace
-from .slicing import at_batch
 
 __all__ = ["Dropout", "dropout_keep_mask", "keep_tile", "key_grid", "threshold"]
 
@@ -284,32 +284,6 @@ class Dropout:
                 x *= self.factor
             return x
         return self.apply(xp, x, self.keep(xp, rows, cols, device), scaled=scaled, own=True)
-
-
-def check_dropout(dropout_p: Any, dropout_seed: Any) -> tuple[float, int | None]:
-    """Validated ``(dropout_p, dropout_seed)``; raise naming the argument otherwise."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):  # NumPy's too
-        raise TypeError(
-            f"dropout_p must be a real number in [0, 1), got {type(dropout_p).__name__} "
-            f"{dropout_p!r}"
-        )
-    value = float(dropout_p)
-    if not (0.0 <= value < 1.0):
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    if value == 0.0:
-        return 0.0, None
-    if dropout_seed is None:
-        raise ValueError(
-            f"dropout_p={dropout_p!r} needs dropout_seed (a Python int): the keep mask is a "
-            "function of the seed, so that the backward pass can regenerate it"
-        )
-    if isinstance(dropout_seed, bool):
-        raise TypeError("dropout_seed must be an int, got bool")
-    try:
-        seed = operator.index(dropout_seed)
-    except TypeError:
-        raise TypeError(f"dropout_seed must be an int, got {type(dropout_seed).__name__}") from None
-    return value, seed
 
 
 def _shape(shape: Any) -> tuple[int, ...]:

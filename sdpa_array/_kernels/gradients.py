@@ -34,13 +34,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._arrays import inplace
+from .._arrays.slicing import at_batch
 from .._problem import Inputs, Problem
 from .._typing import Array
-from . import inplace
 from .layout import merge_groups
 from .operands import Operands, prepare, prepare_rows, tile_scores
 from .score_terms import ScoreTerms
-from .slicing import at_batch
 from .softmax import exp_shift, row_sum, safe_reciprocal
 
 __all__ = [

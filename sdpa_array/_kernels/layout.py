@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from .._arrays.slicing import at_batch, tile_of
 from .._problem import Problem
 from .._typing import Array
-from .slicing import at_batch, tile_of
 
 __all__ = [
     "at_batch",

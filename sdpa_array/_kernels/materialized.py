@@ -9,9 +9,9 @@ the sink); dropout zeroes weights after the softmax, so the log-sum-exp ignores 
 from __future__ import annotations
 
 from .._problem import Inputs, Problem
-from .._result import AttentionResult
 from .layout import ungroup
 from .operands import prepare, tile_scores
+from .result import AttentionResult
 from .softmax import exp_shift, log_sum_exp, safe_reciprocal
 
 __all__ = ["materialized_attention"]

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .._arrays.slicing import at_batch
 from .._block_mask import EMPTY, FULL, HOST_BLOCK, BlockMask, classify_in, classify_on_host
 from .._compat import stop_gradient
 from .._mod_calls import call_mod, index_grid
@@ -32,7 +33,6 @@ from .._mods_data import NamedMod
 from .._problem import Problem
 from .._typing import Array
 from .restrictions import TileKind
-from .slicing import at_batch
 
 __all__ = ["BlockClasses", "ModBias", "ModIndices", "ModMask", "mod_bias", "mod_mask"]
 

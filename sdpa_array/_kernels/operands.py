@@ -23,9 +23,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .._arrays import inplace
 from .._problem import Inputs, Problem
 from .._typing import Array
-from . import inplace
 from .dropout import Dropout, key_grid
 from .layout import (
     at_batch,

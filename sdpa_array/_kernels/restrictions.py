@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
 
+from .._arrays.slicing import at_batch, tile_of
 from .._typing import Array
-from .slicing import at_batch, tile_of
 
-__all__ = ["Band", "DenseMask", "Restriction", "Restrictions", "TileKind"]
+__all__ = ["DenseMask", "Restriction", "Restrictions", "TileKind"]
 
 
 class TileKind(enum.Enum):
@@ -94,89 +94,6 @@ def _classify(key: tuple[int, int], full: tuple[int, int], cols: slice) -> TileK
     if full[0] <= cols.start and cols.stop <= full[1]:
         return TileKind.FULL
     return TileKind.PARTIAL
-
-
-@dataclass(frozen=True)
-class Band:
-    """Causal and sliding-window restrictions, as index arithmetic.
-
-    Attributes
-    ----------
-    L, S : int
-        Query and key lengths.
-    is_causal : bool
-        Whether keys after each query's diagonal are excluded.
-    left, right : int or None
-        Window sizes on each side of the diagonal (``None`` = unbounded).
-    offset : int
-        Key index of query 0's diagonal.
-    """
-
-    L: int
-    S: int
-    is_causal: bool
-    left: int | None
-    right: int | None
-    offset: int
-
-    @property
-    def restricts(self) -> bool:
-        """Whether any key is excluded by position."""
-        return self.is_causal or self.left is not None or self.right is not None
-
-    def _upper(self) -> int | None:
-        """Largest admissible ``j - i - offset`` (``None`` = unbounded)."""
-        bounds = [b for b in (0 if self.is_causal else None, self.right) if b is not None]
-        return min(bounds) if bounds else None
-
-    def _keys_of(self, i: int) -> tuple[int, int]:
-        """Unclipped keys ``[lo, hi)`` of query ``i`` (both ends grow with ``i``)."""
-        upper = self._upper()
-        lo = i + self.offset - self.left if self.left is not None else 0
-        hi = i + self.offset + upper + 1 if upper is not None else self.S
-        return lo, hi
-
-    def key_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
-        if q_start >= q_stop:
-            return 0, 0
-        lo = max(0, self._keys_of(q_start)[0])
-        hi = min(self.S, self._keys_of(q_stop - 1)[1])
-        return lo, max(lo, hi)
-
-    def full_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
-        if q_start >= q_stop:
-            return 0, self.S
-        lo = max(0, self._keys_of(q_stop - 1)[0])
-        hi = min(self.S, self._keys_of(q_start)[1])
-        return lo, max(lo, hi)
-
-    def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array:
-        return self.mask_with_offset(xp, device, rows, cols, self.offset)
-
-    def mask_with_offset(
-        self, xp: ModuleType, device: Any, rows: slice, cols: slice, offset: int | Array
-    ) -> Array:
-        """The tile's mask with the diagonal at ``i + offset`` (an int, or an array of
-        per-sequence offsets shaped to broadcast against the tile)."""
-        # one comparison of the key indices with each row's bound per side: the only
-        # tile-sized arrays are the booleans; int32 (positions stay far below 2**31)
-        # compares several times faster than int64 on NumPy
-        i32 = xp.int32
-        diag = xp.arange(rows.start, rows.stop, dtype=i32, device=device)[:, None] + offset
-        diag = xp.astype(diag, i32, copy=False)
-        col = xp.arange(cols.start, cols.stop, dtype=i32, device=device)[None, :]
-        upper = self._upper()
-        below = None if upper is None else col <= diag + upper
-        if self.left is None:
-            # a full-width tile is never asked for (Restrictions skips FULL tiles)
-            if below is None:
-                return xp.ones((*diag.shape[:-1], cols.stop - cols.start), dtype=xp.bool)
-            return below
-        above = col >= diag - self.left
-        return above if below is None else xp.logical_and(below, above)
-
-    def at(self, index: tuple[int, ...]) -> Band:
-        return self
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ import math
 from dataclasses import dataclass
 from types import ModuleType
 
+from .._arrays import inplace
+from .._arrays.slicing import at_batch, tile_of
 from .._typing import Array
-from . import inplace
 from .mod_terms import ModBias
-from .slicing import at_batch, tile_of
 
 __all__ = ["ScoreTerms"]
 

@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from .._arrays.slicing import at_batch
+from .._band import Band
 from .._problem import Problem
 from .._typing import Array
-from .restrictions import Band, Restriction
-from .slicing import at_batch
+from .restrictions import Restriction
 
 __all__ = ["SegmentIds", "SequenceLengths", "ShiftedBand", "sequence_members"]
 

@@ -17,7 +17,7 @@ A work item is some query blocks of one batch slice (:func:`_deal`); it sums its
 block by grid block (:func:`_item`), the caller adds the items' sums (:func:`_sum_items`)
 and puts the gradients together (:class:`_Assembly`), with zeros for skipped tiles. Nothing
 ever holds a score matrix. Items are independent, so
-:func:`~sdpa_array._kernels.parallel.map_blocks` runs them concurrently for NumPy.
+:func:`~sdpa_array._arrays.parallel.map_blocks` runs them concurrently for NumPy.
 
 Where the probabilities come from
 ---------------------------------
@@ -38,16 +38,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._arrays.parallel import get_num_threads, map_blocks
+from .._arrays.slicing import tile_of
 from .._problem import Inputs, Problem
-from .._result import RawGrads
 from .._typing import Array
 from .blocked import blocked_attention
 from .gradients import BackwardOperands, prepare_backward, sink_gradient, tile_gradients
 from .layout import concat, sum_to_shape
 from .operands import prepare
-from .parallel import get_num_threads, map_blocks
 from .restrictions import TileKind
-from .slicing import tile_of
+from .result import RawGrads
 from .tiling import (
     BackwardBlock,
     BackwardPlan,

@@ -9,10 +9,10 @@ every product runs once over all queries and keys. Memory is ``O(L * S)`` per ba
 from __future__ import annotations
 
 from .._problem import Inputs, Problem
-from .._result import RawGrads
 from .._typing import Array
 from .gradients import prepare_backward, sink_gradient, tile_gradients
 from .materialized import materialized_attention
+from .result import RawGrads
 
 __all__ = ["materialized_vjp"]
 

@@ -19,7 +19,7 @@ What every delegation does the same way (so the kernels' own rules never leak ou
 * the kernels' ``is_causal`` is top-left aligned, so it is used only for ``is_causal`` with
   the diagonal at key ``i`` (``"top_left"``, or ``L == S``) and no window; every other
   positional restriction (bottom-right with ``L != S``, windows) becomes an explicit
-  boolean mask built from the call's :class:`~.restrictions.Band` (``builds_mask``);
+  boolean mask built from the call's :class:`~sdpa_array._band.Band` (``builds_mask``);
 * rows with no admissible key get zeros and a log-sum-exp of ``-inf`` afterwards, whatever
   the kernel gave (torch < 2.5: NaN; JAX: the mean of the values or NaN); sinks and
   dropout are refused (no kernel has the first, none draws the keep mask's bits);
@@ -35,9 +35,9 @@ from typing import Any
 
 from ..._compat import namespace_name
 from ..._problem import Inputs, Problem
-from ..._result import AttentionResult, RawGrads
 from ..._typing import Array
 from ..layout import grouped_operand, grouped_score_term
+from ..result import AttentionResult, RawGrads
 from .delegation import (
     CannotDelegateError,
     Delegation,

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._problem import Inputs, Problem
-from ..._result import AttentionResult
 from ..._typing import Array
 from ..layout import leading_axes, ungroup
 from ..operands import kernel_scale, prepare, tile_scores
+from ..result import AttentionResult
 from ..softmax import exp_shift
 
 __all__ = [

@@ -7,7 +7,7 @@ import inspect
 from typing import Any
 
 from ..._problem import Problem
-from ..._result import AttentionResult
+from ..result import AttentionResult
 from .delegation import (
     Delegation,
     Request,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..._problem import Problem
-from ..._result import AttentionResult
+from ..result import AttentionResult
 from .delegation import (
     Delegation,
     Layout,

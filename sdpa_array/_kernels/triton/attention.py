@@ -3,7 +3,8 @@
 :func:`triton_attention` and :func:`triton_vjp` take a validated
 :class:`~sdpa_array._problem.Problem` and the caller's :class:`~sdpa_array._problem.Inputs`
 (as every row of :data:`sdpa_array._dispatch.IMPLEMENTATIONS` does) and return an
-:class:`~sdpa_array._result.AttentionResult` or :class:`~sdpa_array._result.RawGrads`.
+:class:`~sdpa_array._kernels.result.AttentionResult` or
+:class:`~sdpa_array._kernels.result.RawGrads`.
 Outputs are allocated with the inputs' library on their device; the kernels write them.
 :func:`run_forward` and :func:`run_backward` are the same with fixed block sizes and the
 kernels' tile counts, for tests. Calls have ``L, S > 0`` (the public entries answer empty
@@ -15,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..._problem import Inputs, Problem
-from ..._result import AttentionResult, RawGrads
 from ..._typing import Array
 from ..layout import ungroup
 from ..operands import prepare, prepare_rows, tile_scores
+from ..result import AttentionResult, RawGrads
 from ..softmax import exp_shift
 from .configs import Blocks, default_blocks
 from .operands import ForwardOperands, forward_operands, strided
@@ -257,7 +258,7 @@ def triton_vjp(
     runs first); ``grad_lse`` is the log-sum-exp's cotangent. ``dq``, ``dk``, ``dv`` come in
     the inputs' dtype where no broadcast axis remains to be summed (else float32), ``dbias``
     as the full float32 score gradient ``(..., Hkv, G, L, S)``, which
-    :func:`~sdpa_array._result.finish_gradients` sums to the bias's shape.
+    :func:`~sdpa_array._kernels.result.finish_gradients` sums to the bias's shape.
 
     Raises
     ------

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ._kernels.layout import broadcast_if_needed, sum_to_shape, ungroup
-from ._problem import Inputs, Problem
-from ._typing import Array
+from .._problem import Inputs, Problem
+from .._typing import Array
+from .layout import broadcast_if_needed, sum_to_shape, ungroup
 
 __all__ = [
     "AttentionResult",
