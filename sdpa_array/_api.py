@@ -188,7 +188,7 @@ def scaled_dot_product_attention(
         Keys; same dtype and library as ``query``.
     value : array, shape (..., Hkv, S, Ev) or (..., S, Ev)
         Values; ``Ev`` may differ from ``E``.
-    mask : boolean array, optional
+    mask : array of bool, optional
         Broadcastable to ``(..., Hq, L, S)``. ``True`` means the query **may attend** to the
         key (the polarity of torch, JAX and ONNX).
     bias : floating array, optional
@@ -215,7 +215,7 @@ def scaled_dot_product_attention(
     enable_gqa : bool, default False
         Grouped-query attention: ``Hq`` must be a multiple of ``Hkv`` and query head ``h``
         uses key/value head ``h // (Hq // Hkv)``.
-    query_lengths, key_lengths : int or integer array, optional
+    query_lengths, key_lengths : int or array of int, optional
         Valid queries and keys per sequence, broadcastable to the batch shape without the
         heads axis (the axes before axis -3; a scalar applies to every sequence): an int, a
         NumPy array, or an array of the inputs' library. Query ``i >= query_lengths[b]``

@@ -82,22 +82,28 @@ def scaled_dot_product_attention_vjp(
         As for :func:`scaled_dot_product_attention`.
     grad_output : array, shape (..., Hq, L, Ev)
         Cotangent of the output: exactly the output's shape, same library and dtype.
-    mask, bias, is_causal, window, alignment, scale, softcap, enable_gqa, sinks
+    mask, bias, is_causal, window, alignment, scale, softcap, enable_gqa
         As for :func:`scaled_dot_product_attention`; ``mask`` has no gradient.
-    dropout_p, dropout_seed
-        As for the forward: the same seed regenerates the same keep mask.
-    query_lengths, key_lengths, segment_ids, mask_mod, bias_mod
+    query_lengths, key_lengths, segment_ids
         As for :func:`scaled_dot_product_attention`; they have no gradient, and padded
         queries and excluded keys get gradients of exactly zero.
-    implementation : {"auto", "materialized", "blocked", "native", "dask"}, default "auto"
-        ``"materialized"`` forms the full score matrix once; ``"blocked"`` works tile by
-        tile in ``O(block_q * block_k)`` memory per batch element, skipping the tiles that
-        causal or window restrictions exclude; ``"native"`` differentiates the library's
-        own fused kernel (torch autograd, ``jax.vjp``; the forward call is recomputed);
-        ``"dask"`` builds the matching Dask graph. ``"auto"`` chooses as the forward does:
-        the Dask graph for Dask arrays, the native backward for torch tensors on a CUDA
-        device where torch's kernels compute the call exactly, blocked when block sizes
-        are given or the score matrix would be large.
+    sinks
+        As for :func:`scaled_dot_product_attention`; its gradient is returned.
+    dropout_p, dropout_seed
+        As for the forward: the same seed regenerates the same keep mask.
+    mask_mod, bias_mod
+        As for :func:`scaled_dot_product_attention`; they have no gradient.
+    implementation : {"auto", "materialized", "blocked", "native", "triton", "dask"}
+        Default ``"auto"``. ``"materialized"`` forms the full score matrix once;
+        ``"blocked"`` works tile by tile in ``O(block_q * block_k)`` memory per batch
+        element, skipping the tiles that causal or window restrictions exclude;
+        ``"native"`` differentiates the library's own fused kernel (torch autograd,
+        ``jax.vjp``; the forward call is recomputed); ``"triton"`` runs our fused Triton
+        backward kernels (CuPy and torch on a GPU); ``"dask"`` builds the matching Dask
+        graph. ``"auto"`` chooses as the forward does: the Dask graph for Dask arrays, on a
+        GPU the native backward where torch's kernels compute the call exactly, else the
+        Triton kernels, blocked when block sizes are given or the score matrix would be
+        large.
     block_q, block_k : int, optional
         Block sizes of the blocked implementation (chosen from the shapes by default).
 

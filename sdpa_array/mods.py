@@ -152,7 +152,7 @@ def prefix_lm(prefix_lengths: int | Sequence[int] | Any) -> Mod:
 
     Parameters
     ----------
-    prefix_lengths : int or 1-D integer array
+    prefix_lengths : int or 1-D array of int
         Length of the prefix, the same for every batch element (an int), or one per batch
         element (an array or sequence of the flattened batch's length, of any library).
 
@@ -186,7 +186,7 @@ def document(query_segments: Any, key_segments: Any) -> Mod:
 
     Parameters
     ----------
-    query_segments, key_segments : integer array
+    query_segments, key_segments : array of int
         Segment id of each query and key position: shape ``(L,)`` and ``(S,)`` shared by
         every batch element, or ``(B, L)`` and ``(B, S)`` with ``B`` the flattened batch
         count; any library, or sequences.
@@ -374,6 +374,16 @@ def _checked(name: str, mods: tuple[Any, ...]) -> tuple[Mod, ...]:
 def and_masks(*mods: Mod) -> Mod:
     """Mask mod True where every one of ``mods`` is (the intersection of their masks).
 
+    Parameters
+    ----------
+    *mods : callable
+        Mask functions ``mod(batch, head, q_idx, kv_idx) -> bool array``, at least one.
+
+    Returns
+    -------
+    callable
+        The mask function of the intersection.
+
     Raises
     ------
     ValueError
@@ -396,6 +406,16 @@ def and_masks(*mods: Mod) -> Mod:
 
 def or_masks(*mods: Mod) -> Mod:
     """Mask mod True where any one of ``mods`` is (the union of their masks).
+
+    Parameters
+    ----------
+    *mods : callable
+        Mask functions ``mod(batch, head, q_idx, kv_idx) -> bool array``, at least one.
+
+    Returns
+    -------
+    callable
+        The mask function of the union.
 
     Raises
     ------

@@ -335,6 +335,7 @@ def dropout_keep_mask(
     Returns
     -------
     array of bool, shape ``shape``
+        ``True`` where the weight is kept.
 
     Examples
     --------

@@ -106,6 +106,21 @@ def assert_close_to_oracle(
     (:attr:`sdpa_array.Explanation.forward_fused`): the bound then has the ``base2`` and
     ``rounded_operands`` terms.
 
+    Parameters
+    ----------
+    result : array or tuple of arrays
+        What the call returned: ``out``, then ``weights`` and ``lse`` where requested.
+    query, key, value : array
+        The call's arrays (any library).
+    mask, bias : array, optional
+        The call's ``mask`` and ``bias``.
+    return_weights, return_lse : bool, default False
+        What the call was asked for.
+    fused : bool, default False
+        Whether the call ran a fused kernel in the inputs' dtype (see above).
+    **options
+        The call's other keyword arguments (``is_causal``, ``scale``, ...), as given to it.
+
     Raises
     ------
     AssertionError
@@ -179,6 +194,19 @@ def assert_vjp_close_to_oracle(
     :func:`~sdpa_array.testing.bounds.vjp_oracle_and_bounds`. ``fused`` says the backward
     ran a fused kernel in the inputs' dtype (:attr:`sdpa_array.Explanation.vjp_fused`):
     the bound then has the ``base2`` and ``rounded_operands`` terms.
+
+    Parameters
+    ----------
+    grads : tuple of arrays
+        What :func:`sdpa_array.scaled_dot_product_attention_vjp` (or autodiff) returned.
+    query, key, value, grad_output : array
+        The call's arrays and the output's cotangent (any library).
+    mask, bias : array, optional
+        The call's ``mask`` and ``bias``.
+    fused : bool, default False
+        Whether the backward ran a fused kernel in the inputs' dtype (see above).
+    **options
+        The call's other keyword arguments, as given to it.
     """
     dtype = dtype_name(query)
     q64, k64, v64, g64 = (_host(a) for a in (query, key, value, grad_output))
