@@ -13,11 +13,9 @@ from __future__ import annotations
 from typing import Literal, overload
 
 from . import _autograd
-from ._dispatch import choose
-from ._kernels.native import Request
 from ._kernels.result import empty_result, finalize
 from ._options import Options
-from ._problem import Inputs, check_flag, validate
+from ._plan import Outputs, plan_forward
 from ._typing import Alignment, Array, BiasMod, ImplementationName, MaskMod
 
 __all__ = ["scaled_dot_product_attention"]
@@ -374,16 +372,11 @@ def scaled_dot_product_attention(
         mask_mod=mask_mod,
         bias_mod=bias_mod,
     )
-    p = validate(query, key, value, options)
-    check_flag("return_weights", return_weights)
-    check_flag("return_lse", return_lse)
-    x = Inputs.of(query, key, value, options, p)
-    request = Request(x, return_weights, return_lse)
-    choice = choose(p, implementation, (block_q, block_k), request=request)
-    if p.S == 0 or p.L == 0:
+    outputs = Outputs.of(return_weights, return_lse)
+    plan = plan_forward(query, key, value, options, outputs, implementation, (block_q, block_k))
+    p, flags = plan.problem, {"return_weights": outputs.weights, "return_lse": outputs.lse}
+    if plan.empty:
         result = empty_result(p)
     else:
-        result = _autograd.forward(
-            choice, p, x, return_weights=return_weights, return_lse=return_lse
-        )
-    return finalize(p, result, return_weights=return_weights, return_lse=return_lse)
+        result = _autograd.forward(plan.choice, p, plan.inputs, **flags)
+    return finalize(p, result, **flags)

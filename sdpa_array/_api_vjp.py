@@ -9,10 +9,10 @@ the gradients back to the inputs' shapes.
 from __future__ import annotations
 
 from ._compat import array_namespace
-from ._dispatch import choose
 from ._kernels.result import finish_gradients, zero_gradients
 from ._options import Options
-from ._problem import Inputs, Problem, validate
+from ._plan import plan_vjp
+from ._problem import Problem, validate
 from ._typing import Alignment, Array, BiasMod, MaskMod, VJPImplementationName
 
 __all__ = ["scaled_dot_product_attention_vjp"]
@@ -185,8 +185,7 @@ def scaled_dot_product_attention_vjp(
     )
     p = validate(query, key, value, options)
     _check_grad_output(p, query, grad_output)
-    x = Inputs.of(query, key, value, options, p)
-    choice = choose(p, implementation, (block_q, block_k), vjp_inputs=x)
-    if p.L == 0 or p.S == 0:  # nothing reaches the output: every gradient is zero
-        return zero_gradients(p, x)
-    return finish_gradients(p, x, choice.backward(p, x, grad_output))
+    plan = plan_vjp(query, key, value, options, implementation, (block_q, block_k), problem=p)
+    if plan.empty:  # nothing reaches the output: every gradient is zero
+        return zero_gradients(p, plan.inputs)
+    return finish_gradients(p, plan.inputs, plan.choice.backward(p, plan.inputs, grad_output))

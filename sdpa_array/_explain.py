@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ._dispatch import choose
-from ._kernels.native import Request, plan_native_vjp
+from ._kernels.native import plan_native_vjp
 from ._options import Options
-from ._problem import Inputs, check_flag, validate
+from ._plan import Outputs, plan_forward, plan_vjp
 from ._typing import Array
 
 __all__ = ["Explanation", "explain"]
@@ -114,17 +113,14 @@ def explain(
       passed over: triton: auto uses the Triton kernels on a GPU only
     """
     given = Options.of(options, where="explain")
-    p = validate(query, key, value, given)
-    check_flag("return_weights", return_weights)
-    check_flag("return_lse", return_lse)
-    x = Inputs.of(query, key, value, given, p)
-    request = Request(x, return_weights, return_lse)
+    outputs = Outputs.of(return_weights, return_lse)
     blocks = (block_q, block_k)
-    forward = choose(p, implementation, blocks, request=request)
+    plan = plan_forward(query, key, value, given, outputs, implementation, blocks)
+    p, x, forward = plan.problem, plan.inputs, plan.choice
     try:
-        vjp = choose(p, implementation, blocks, vjp_inputs=x)
+        vjp = plan_vjp(query, key, value, given, implementation, blocks, problem=p).choice
     except ValueError:  # an implementation the VJP lacks, or one that refuses it
-        vjp = choose(p, "auto", vjp_inputs=x)
+        vjp = plan_vjp(query, key, value, given, "auto", (None, None), problem=p).choice
     return Explanation(
         forward=forward.name,
         vjp=vjp.name,

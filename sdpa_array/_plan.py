@@ -1,0 +1,95 @@
+"""One plan per call: the validated problem, the arrays, the outputs asked for and the
+implementation (with its native kernel, when it delegates) that will compute them.
+
+The public functions and :func:`~sdpa_array.explain` plan a call here, once; the plan is
+what runs (the native kernel planned for it is the one that runs, not planned again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._dispatch import Choice, choose
+from ._kernels.native import Request
+from ._options import Options
+from ._problem import Inputs, Problem, check_flag, validate
+from ._typing import Array
+
+__all__ = ["Outputs", "Plan", "plan_forward", "plan_vjp"]
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """What a forward call returns beside ``out`` (torch's ``varlen_attn`` passes the same
+    as an ``AuxRequest``)."""
+
+    weights: bool = False
+    lse: bool = False
+
+    @classmethod
+    def of(cls, return_weights: object, return_lse: object) -> Outputs:
+        """The record of the two flags, each checked to be a bool."""
+        check_flag("return_weights", return_weights)
+        check_flag("return_lse", return_lse)
+        return cls(bool(return_weights), bool(return_lse))
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A call, planned.
+
+    Attributes
+    ----------
+    problem : Problem
+        The validated shapes, dtypes and options.
+    inputs : Inputs
+        The caller's arrays.
+    outputs : Outputs or None
+        What the forward call returns (``None`` for a VJP).
+    choice : Choice
+        The implementation, its block sizes, the native kernel it runs (``planned``) and,
+        for ``"auto"``, why the ones it prefers were passed over.
+    """
+
+    problem: Problem
+    inputs: Inputs
+    outputs: Outputs | None
+    choice: Choice
+
+    @property
+    def empty(self) -> bool:
+        """Whether there is no query or no key (no kernel runs)."""
+        return self.problem.L == 0 or self.problem.S == 0
+
+
+def plan_forward(
+    query: Array,
+    key: Array,
+    value: Array,
+    options: Options,
+    outputs: Outputs,
+    implementation: str,
+    blocks: tuple[int | None, int | None],
+) -> Plan:
+    """Validate a forward call and choose what computes it."""
+    p = validate(query, key, value, options)
+    x = Inputs.of(query, key, value, options, p)
+    request = Request(x, outputs.weights, outputs.lse)
+    return Plan(p, x, outputs, choose(p, implementation, blocks, request=request))
+
+
+def plan_vjp(
+    query: Array,
+    key: Array,
+    value: Array,
+    options: Options,
+    implementation: str,
+    blocks: tuple[int | None, int | None],
+    *,
+    problem: Problem | None = None,
+) -> Plan:
+    """Validate a VJP call (or take its ``problem``, already validated) and choose what
+    computes it."""
+    p = validate(query, key, value, options) if problem is None else problem
+    x = Inputs.of(query, key, value, options, p)
+    return Plan(p, x, None, choose(p, implementation, blocks, vjp_inputs=x))
