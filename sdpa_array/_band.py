@@ -13,13 +13,27 @@ Query ``i`` has its *diagonal* at key ``i + offset`` (``offset = 0`` for ``"top_
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from ._typing import Array
 
-__all__ = ["Band"]
+__all__ = ["Band", "window_bounds"]
+
+
+def window_bounds(window: Any, extent: int) -> tuple[int | None, int | None]:
+    """``(left, right)`` of a validated ``window`` (or ``None``) as bounds: a side of
+    ``extent`` (``L + S``) or more excludes no key of any row, every diagonal lying in
+    ``[-L, S)``, so it is no bound (``None``) and the kernels' index arithmetic never sees
+    its size."""
+
+    def bound(side: Any) -> int | None:
+        return None if side is None or operator.index(side) >= extent else operator.index(side)
+
+    left, right = window if window is not None else (None, None)
+    return bound(left), bound(right)
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,15 @@ class BlockMask:
 _NAMES = {"empty": EMPTY, "partial": PARTIAL, "full": FULL}
 
 
+def _classes(counts: np.ndarray, rows: int, cols: int, block_q: int, block_k: int) -> np.ndarray:
+    """Block classes from the admissible pairs ``counts`` of each block of a ``(rows, cols)``
+    grid (the last block of each axis may be shorter)."""
+    heights = np.minimum(block_q, rows - np.arange(0, rows, block_q))
+    widths = np.minimum(block_k, cols - np.arange(0, cols, block_k))
+    sizes = heights[:, None] * widths[None, :]
+    return np.where(counts == sizes, FULL, np.where(counts > 0, PARTIAL, EMPTY)).astype(np.int8)
+
+
 def _reduce_blocks(chunk: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
     """Classes of the blocks of ``chunk`` (``(B', H', rows, S)``, rows a block multiple or the
     end of the grid), from the number of admissible pairs in each block."""
@@ -132,10 +141,7 @@ def _reduce_blocks(chunk: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
     else:
         per_rows = np.add.reduceat(ones, np.arange(0, rows, block_q), axis=-2, dtype=np.int32)
     counts = np.add.reduceat(per_rows, np.arange(0, cols, block_k), axis=-1)
-    heights = np.minimum(block_q, rows - np.arange(0, rows, block_q))
-    widths = np.minimum(block_k, cols - np.arange(0, cols, block_k))
-    sizes = heights[:, None] * widths[None, :]
-    return np.where(counts == sizes, FULL, np.where(counts > 0, PARTIAL, EMPTY)).astype(np.int8)
+    return _classes(counts, rows, cols, block_q, block_k)
 
 
 def _block_counts(xp: ModuleType, values: Array, block_q: int, block_k: int) -> np.ndarray:
@@ -155,10 +161,7 @@ def _block_counts(xp: ModuleType, values: Array, block_q: int, block_k: int) -> 
     counts = host_values(xp.sum(xp.sum(ones, axis=-1), axis=-2))
     if counts is None:
         raise TypeError("the classes of a lazy or traced mask cannot be read on the host")
-    heights = np.minimum(block_q, rows - np.arange(0, rows, block_q))
-    widths = np.minimum(block_k, cols - np.arange(0, cols, block_k))
-    sizes = heights[:, None] * widths[None, :]
-    return np.where(counts == sizes, FULL, np.where(counts > 0, PARTIAL, EMPTY)).astype(np.int8)
+    return _classes(counts, rows, cols, block_q, block_k)
 
 
 def _evaluate(

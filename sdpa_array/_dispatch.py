@@ -33,7 +33,6 @@ from ._kernels.triton import CannotUseTritonError, plan_triton, triton_attention
 from ._kernels.vjp_blocked import blocked_vjp
 from ._kernels.vjp_materialized import materialized_vjp
 from ._problem import Inputs, Problem
-from ._sequences import zero_past
 from ._typing import Array
 
 __all__ = [
@@ -219,13 +218,9 @@ class Choice:
         if run is None:
             raise ValueError(f"implementation {self.name!r} has no backward kernel")
         x = x.without_padding(p)
-        if p.query_lengths is not None:
-            heads = len(p.batch_shape) - len(p.sequence_batch)
-            grad_output = zero_past(p.xp, grad_output, p.query_lengths, p.L, heads=heads)
-            if grad_lse is not None:
-                grad_lse = zero_past(
-                    p.xp, grad_lse, p.query_lengths, p.L, heads=heads, features=False
-                )
+        grad_output = p.without_padding(grad_output)
+        if grad_lse is not None:
+            grad_lse = p.without_padding(grad_lse, features=False)
         return run(p, x, grad_output, out=out, lse=lse, grad_lse=grad_lse, **self._blocks())
 
 

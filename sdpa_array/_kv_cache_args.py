@@ -14,7 +14,6 @@ lists, arrays of the inputs' library that hold values); lazy Dask arrays and tra
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -22,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ._band import window_bounds
 from ._compat import array_namespace, device, is_array_api_obj, namespace_name
 from ._options import Options
 from ._problem import check_flag, validate
@@ -404,11 +404,8 @@ def check_call(
     scores = (B, Hq, L, capacity)
     what = "max_pages * page_size" if paged else "S_max"
     # the window as given (the stub call above has S = 0, which would make every side "past
-    # the lengths"), each side past every position of the call dropped as validation does
-    sides: tuple[Any, Any] = options.get("window") or (None, None)
-    left, right = (
-        None if n is None or operator.index(n) >= L + capacity else operator.index(n) for n in sides
-    )
+    # the lengths"), bounded as validation bounds it
+    left, right = window_bounds(options.get("window"), L + capacity)
     window = None if left is None and right is None else (left, right)
     return CacheCall(
         xp=xp,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ._band import Band
+from ._band import Band, window_bounds
 from ._compat import array_namespace, device, is_array_api_obj, known_value, on_gpu
 from ._mod_args import check_mods
 from ._options import Options, check_dropout
@@ -104,6 +104,14 @@ class Problem:
     bias_mod: Any = None
     on_gpu: bool = False
 
+    def without_padding(self, rows: Array, *, keys: bool = False, features: bool = True) -> Array:
+        """``rows`` (query-shaped, or key-shaped with ``keys``; without the feature axis
+        when not ``features``) with the rows past the sequences' lengths set to zero
+        (:func:`~sdpa_array._sequences.zero_past`; unchanged without lengths)."""
+        lengths, n = (self.key_lengths, self.S) if keys else (self.query_lengths, self.L)
+        heads = len(self.batch_shape) - len(self.sequence_batch)
+        return zero_past(self.xp, rows, lengths, n, heads=heads, features=features)
+
     @property
     def sequence_batch(self) -> tuple[int, ...]:
         """The batch shape without the heads axis (what lengths and segment ids index)."""
@@ -180,10 +188,8 @@ class Inputs:
         past ``key_lengths`` set to zero (:func:`~sdpa_array._sequences.zero_past`)."""
         if p.query_lengths is None and p.key_lengths is None:
             return self
-        xp, heads = p.xp, len(p.batch_shape) - len(p.sequence_batch)
-        q = zero_past(xp, self.query, p.query_lengths, p.L, heads=heads)
-        k = zero_past(xp, self.key, p.key_lengths, p.S, heads=heads)
-        v = zero_past(xp, self.value, p.key_lengths, p.S, heads=heads)
+        q = p.without_padding(self.query)
+        k, v = (p.without_padding(t, keys=True) for t in (self.key, self.value))
         return dataclasses.replace(self, query=q, key=k, value=v)
 
     @classmethod
@@ -428,9 +434,7 @@ def validate(query: Any, key: Any, value: Any, options: Options) -> Problem:
     dtype = query.dtype
     compute_dtype = dtype if xp.finfo(dtype).bits >= 32 else xp.float32
     offset = 0 if alignment == "top_left" else S - L
-    # a side of L + S or more excludes no key of any row (every diagonal lies in
-    # [-L, S)): it is no bound, and the kernels' index arithmetic never sees its size
-    left, right = (None if n is None or n >= L + S else n for n in sides or (None, None))
+    left, right = window_bounds(sides, L + S)
     return Problem(
         xp=xp,
         device=dev,

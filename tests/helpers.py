@@ -127,30 +127,9 @@ def check_against_oracle(
     before = _snapshot(inputs)
     run = {"mask": xmask, "bias": xbias, "implementation": implementation, **options}
     run |= {"return_weights": return_weights, "return_lse": True}
-    result = sdpa_array.scaled_dot_product_attention(
-        xq,
-        xk,
-        xv,
-        mask=xmask,
-        bias=xbias,
-        return_weights=return_weights,
-        return_lse=True,
-        implementation=implementation,
-        **options,
-    )
+    result = sdpa_array.scaled_dot_product_attention(xq, xk, xv, **run)
     _assert_unchanged(inputs, before)
-    assert_close_to_oracle(
-        result,
-        xq,
-        xk,
-        xv,
-        mask=xmask,
-        bias=xbias,
-        return_weights=return_weights,
-        return_lse=True,
-        fused=ran_fused(xq, xk, xv, run),
-        **options,
-    )
+    assert_close_to_oracle(result, xq, xk, xv, **as_checked(xq, xk, xv, run))
     return result[0], (result[1] if return_weights else None), result[-1]
 
 
@@ -180,21 +159,10 @@ def check_vjp_against_oracle(
     xbias = None if bias is None else backend.asarray(bias, dtype)
     inputs = {"query": xq, "key": xk, "value": xv, "grad_output": xg, "mask": xmask, "bias": xbias}
     before = _snapshot(inputs)
-    got = sdpa_array.scaled_dot_product_attention_vjp(
-        xq,
-        xk,
-        xv,
-        xg,
-        mask=xmask,
-        bias=xbias,
-        implementation=implementation,
-        block_q=block_q,
-        block_k=block_k,
-        **options,
-    )
-    _assert_unchanged(inputs, before)
     run = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
     run |= {"mask": xmask, "bias": xbias, **options}
+    got = sdpa_array.scaled_dot_product_attention_vjp(xq, xk, xv, xg, **run)
+    _assert_unchanged(inputs, before)
     assert_vjp_close_to_oracle(got, xq, xk, xv, xg, **as_checked(xq, xk, xv, run, vjp=True))
     return got
 

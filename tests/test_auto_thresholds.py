@@ -41,21 +41,7 @@ def problem_of(backend_id: str, nbytes: int, *, above: bool) -> tuple[Problem, I
     b = n // a + (1 if above else 0)  # a * b <= n < a * (b + 1)
     q = backend.asarray(np.zeros((a, 1, 1), dtype=np.float32), "float32")
     k = backend.asarray(np.zeros((1, b, 1), dtype=np.float32), "float32")
-    p = validate(
-        q,
-        k,
-        k,
-        Options(
-            mask=None,
-            bias=None,
-            is_causal=False,
-            window=None,
-            alignment="top_left",
-            scale=None,
-            softcap=None,
-            enable_gqa=False,
-        ),
-    )
+    p = validate(q, k, k, Options())
     assert (_dispatch.score_bytes(p) > nbytes) == above
     return p, Inputs(q, k, k)
 

@@ -365,21 +365,7 @@ def test_auto_uses_blocked_for_large_score_matrices(monkeypatch):
 def problem(L, S, dtype=np.float32):
     q = np.zeros((1, L, 8), dtype=dtype)
     k = np.zeros((1, S, 8), dtype=dtype)
-    return validate(
-        q,
-        k,
-        k,
-        Options(
-            mask=None,
-            bias=None,
-            is_causal=False,
-            window=None,
-            alignment="top_left",
-            scale=None,
-            softcap=None,
-            enable_gqa=False,
-        ),
-    )
+    return validate(q, k, k, Options())
 
 
 def test_automatic_block_sizes():

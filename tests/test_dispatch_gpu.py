@@ -19,23 +19,12 @@ from sdpa_array._kernels.triton import CannotUseTritonError, plan_triton
 from sdpa_array._options import Options
 from sdpa_array._problem import Inputs, validate
 
-DEFAULTS = {
-    "mask": None,
-    "bias": None,
-    "is_causal": False,
-    "window": None,
-    "alignment": "top_left",
-    "scale": None,
-    "softcap": None,
-    "enable_gqa": False,
-}
-
 
 def gpu_choice(backend, q_shape, k_shape, *, return_lse=False, **options):
     """``"auto"``'s choice (forward, VJP) for a call marked as on a GPU."""
     q = backend.asarray(np.zeros(q_shape), "float16")
     k = backend.asarray(np.zeros(k_shape), "float16")
-    p = validate(q, k, k, Options(**{**DEFAULTS, **options}))
+    p = validate(q, k, k, Options(**options))
     p = dataclasses.replace(p, on_gpu=True)
     x = Inputs(q, k, k, options.get("mask"), options.get("bias"), None, options.get("sinks"))
     forward = _dispatch.choose(p, "auto", request=Request(x, False, return_lse))
@@ -84,7 +73,7 @@ def test_triton_where_torch_cannot_on_a_gpu(torch_backend, options):
 def test_autograd_lse_cotangent_never_takes_the_native_backward(torch_backend):
     """A backward that receives a log-sum-exp cotangent cannot use torch's kernels."""
     q = torch_backend.asarray(np.zeros((2, 4, 64, 16)), "float16")
-    p = dataclasses.replace(validate(q, q, q, Options(**DEFAULTS)), on_gpu=True)
+    p = dataclasses.replace(validate(q, q, q, Options()), on_gpu=True)
     choice = _dispatch.choose(p, "auto", vjp_inputs=Inputs(q, q, q), lse_cotangent=True)
     assert choice.name != "native"
     assert any("log-sum-exp cotangent" in reason for reason in choice.why)
@@ -125,9 +114,7 @@ def test_explain_validates_like_the_call(backend):
 def _plan_lse_on_cuda(backend, dtype, E, options, bias):
     q = backend.asarray(np.zeros((2, 4, 24, E)), dtype)
     b = backend.asarray(np.zeros((24, 24)), dtype) if bias else None
-    p = dataclasses.replace(
-        validate(q, q, q, Options(**{**DEFAULTS, "bias": b, **options})), on_gpu=True
-    )
+    p = dataclasses.replace(validate(q, q, q, Options(bias=b, **options)), on_gpu=True)
     return plan_native(p, Request(Inputs(q, q, q, None, b), False, True))
 
 

@@ -452,21 +452,7 @@ def test_vjp_auto_takes_the_native_backward_on_cuda_only(eager_backend):
     kernels), and keeps the library's own backward kernels elsewhere."""
     backend = eager_backend
     q = lazy_zeros(backend, (1, 2, 64, 8))
-    p = validate(
-        q,
-        q,
-        q,
-        Options(
-            mask=None,
-            bias=None,
-            is_causal=False,
-            window=None,
-            alignment="top_left",
-            scale=None,
-            softcap=None,
-            enable_gqa=False,
-        ),
-    )
+    p = validate(q, q, q, Options())
     choice = _dispatch.choose(p, "auto", vjp_inputs=Inputs(q, q, q))
     expected = "materialized"
     if backend.device == "cuda":  # torch's backward kernels, else our Triton kernels
@@ -490,7 +476,7 @@ def chosen(backend, q, k, v, *, return_weights=False, return_lse=False, blocks=(
         "enable_gqa": False,
         **kw,
     }
-    p = validate(q, k, v, Options(mask=None, bias=None, **options))
+    p = validate(q, k, v, Options(**options))
     req = Request(Inputs(q, k, v), return_weights, return_lse)
     choice = _dispatch.choose(p, "auto", blocks, request=req)
     assert choice.automatic

@@ -117,14 +117,9 @@ def test_backward_plan_reaches_every_admissible_key(args, bq, bk):
         k,
         k,
         Options(
-            mask=None,
-            bias=None,
             is_causal=is_causal,
             window=None if left is None and right is None else (left, right),
             alignment="bottom_right" if bottom_right else "top_left",
-            scale=None,
-            softcap=None,
-            enable_gqa=False,
         ),
     )
     r = Restrictions((p.band,) if p.band.restricts else (), L, S)

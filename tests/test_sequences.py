@@ -295,22 +295,7 @@ def test_native_is_refused_and_auto_falls_back(native_backend):
 
 def _planned_pairs(query, key, value, **options):
     """Score entries the blocked forward plan visits, summed over sequences and heads."""
-    p = validate(
-        query,
-        key,
-        value,
-        Options(
-            mask=None,
-            bias=None,
-            is_causal=options.pop("is_causal", False),
-            window=None,
-            alignment="top_left",
-            scale=None,
-            softcap=None,
-            enable_gqa=False,
-            **options,
-        ),
-    )
+    p = validate(query, key, value, Options(**options))
     ops = prepare(p, Inputs(query, key, value))
     total = 0
     for b in range(p.kernel_batch[0]):

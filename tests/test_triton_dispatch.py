@@ -65,8 +65,7 @@ def test_public_call_runs_the_triton_kernel():
     out, lse = sdpa_array.scaled_dot_product_attention(
         q, k, v, implementation="triton", return_lse=True, **OPTIONS
     )
-    defaults = {"mask": None, "bias": None, "window": None, "scale": None, "enable_gqa": False}
-    p = validate(q, k, v, Options(**{**defaults, **OPTIONS}))
+    p = validate(q, k, v, Options(**OPTIONS))
     direct = triton_attention(p, Inputs(q, k, v), return_weights=False, return_lse=True)
     assert bool((out == direct.out).all())
     assert bool((lse == direct.lse).all())

@@ -632,17 +632,7 @@ def test_validation_of_the_inputs_comes_before_the_cotangent(backend):
 
 def _problem(L: int, S: int, E: int = 8, **options):
     q, k = np.zeros((L, E), dtype=np.float32), np.zeros((S, E), dtype=np.float32)
-    defaults = {
-        "mask": None,
-        "bias": None,
-        "is_causal": False,
-        "window": None,
-        "alignment": "top_left",
-        "scale": None,
-        "softcap": None,
-        "enable_gqa": False,
-    }
-    return validate(q, k, k, Options(**{**defaults, **options}))
+    return validate(q, k, k, Options(**options))
 
 
 def _plan(p, block_q=None, block_k=None):
