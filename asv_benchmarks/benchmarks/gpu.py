@@ -13,7 +13,8 @@ measurement: TFLOP/s (``4·B·H·L·S·E`` per forward, half when causal, 2.5 ti
 backward), the ratio to torch's time and the fraction of the GEMM-bound limit.
 ``SDPA_BENCH_GPU_BACKENDS`` (comma-separated backend ids) replaces the GPU backends, e.g.
 with ``torch`` to try the suite on a CPU; ``SDPA_BENCH_GPU_DTYPES`` and
-``SDPA_BENCH_GPU_SHAPES`` narrow the dtypes and shapes the same way.
+``SDPA_BENCH_GPU_SHAPES`` and ``SDPA_BENCH_GPU_IMPLEMENTATIONS`` narrow the dtypes, shapes and
+implementations the same way.
 """
 
 from __future__ import annotations
@@ -53,12 +54,16 @@ GPU_SHAPES = (
     if PROFILE == "gpu"
     else ["4x16x1024x64"]
 )
-# SDPA_BENCH_GPU_DTYPES / SDPA_BENCH_GPU_SHAPES (comma-separated) narrow the grid for a
+# SDPA_BENCH_GPU_DTYPES / _SHAPES / _IMPLEMENTATIONS (comma-separated) narrow the grid for a
 # short device session.
 if os.environ.get("SDPA_BENCH_GPU_DTYPES"):
     GPU_DTYPES = os.environ["SDPA_BENCH_GPU_DTYPES"].split(",")
 if os.environ.get("SDPA_BENCH_GPU_SHAPES"):
     GPU_SHAPES = os.environ["SDPA_BENCH_GPU_SHAPES"].split(",")
+if os.environ.get("SDPA_BENCH_GPU_IMPLEMENTATIONS"):
+    _chosen = os.environ["SDPA_BENCH_GPU_IMPLEMENTATIONS"].split(",")
+    GPU_IMPLEMENTATIONS = [i for i in GPU_IMPLEMENTATIONS if i in _chosen]
+    VJP_IMPLEMENTATIONS = [i for i in VJP_IMPLEMENTATIONS if i in _chosen]
 ROUNDS = 5
 REPS = 10
 #: Largest score matrix (bytes) the materialized path may form in these benchmarks.

@@ -109,16 +109,20 @@ def torch_sdpa_peer(backend: Backend) -> Callable[..., Any]:
     Raises
     ------
     NotImplementedError
-        If torch is absent, or the backend's arrays cannot be shared with torch
-        (array-api-strict, JAX, Dask, CuPy): the comparison must use the same data.
+        If torch is absent, or the backend's arrays cannot be shared with torch without a
+        copy (array-api-strict, JAX, Dask): the comparison must use the same data. NumPy
+        arrays are shared through ``torch.from_numpy``, CuPy arrays through DLPack.
     """
-    if backend.library not in ("numpy", "torch") or not get_backend("torch").is_available():
+    shared = ("numpy", "torch", "cupy")
+    if backend.library not in shared or not get_backend("torch").is_available():
         raise NotImplementedError(f"torch's kernel cannot run on {backend.id} arrays in place")
     get_backend("torch").configure()  # pins matmul precision (no TF32)
     import torch
 
     def as_torch(x: Any) -> Any:
-        return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+        if isinstance(x, np.ndarray):
+            return torch.from_numpy(x)
+        return x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
 
     def run(q: Any, k: Any, v: Any, *, is_causal: bool = False) -> Any:
         return torch.nn.functional.scaled_dot_product_attention(
