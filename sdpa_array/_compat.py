@@ -99,7 +99,7 @@ def host_values(x: Any, *, from_device: bool = True) -> np.ndarray | None:
     """A NumPy copy (or view) of ``x``'s values, or ``None`` where reading them is not possible.
 
     NumPy arrays are returned as they are; arrays on the CPU are read through DLPack; device
-    arrays (CuPy, torch CUDA) are copied to the host, unless ``from_device`` is false (the
+    arrays (CuPy, torch CUDA, JAX on a GPU) are copied to the host, unless ``from_device`` is false (the
     copy would wait for the device). Lazy Dask arrays are not computed, and JAX tracers have
     no values.
     """
@@ -116,6 +116,8 @@ def host_values(x: Any, *, from_device: bool = True) -> np.ndarray | None:
             return np.asarray(x.get())
         if hasattr(x, "cpu"):  # torch on a device
             return np.asarray(x.detach().cpu())
+        if array_api_compat.is_jax_array(x):  # on a device (a tracer raises)
+            return np.asarray(x)
         return None
     except Exception:
         return None
