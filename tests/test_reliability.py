@@ -56,17 +56,30 @@ def _lengths(backend):
     }
 
 
+#: Packed documents: ids per position (the padding past the lengths carries ids too, as a
+#: packed buffer's tail does: the lengths, not the ids, make it padding).
+SEGMENTS_Q = np.array([[0, 0, 1, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 1]])
+SEGMENTS_K = np.array([[0, 0, 1, 1, 1, 2, 2, 2], [0, 0, 1, 1, 1, 1, 2, 2]])
+RESTRICTIONS = {
+    "causal": lambda backend: {"is_causal": True, "alignment": "bottom_right"},
+    "segments": lambda backend: {
+        "segment_ids": (backend.asarray(SEGMENTS_Q), backend.asarray(SEGMENTS_K))
+    },
+}
+
+
 def _same(a, b) -> None:
     np.testing.assert_array_equal(reference.to_numpy(a), reference.to_numpy(b))
 
 
+@pytest.mark.parametrize("restriction", list(RESTRICTIONS))
 @pytest.mark.parametrize("fill", FILLS)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_garbage_in_padding_is_never_read(eager_backend, implementation, fill):
+def test_garbage_in_padding_is_never_read(eager_backend, implementation, fill, restriction):
     backend = eager_backend
     garbage, zeros = _padded(fill)
-    run = {"implementation": implementation, **_lengths(backend), "is_causal": True}
-    run["alignment"] = "bottom_right"
+    run = {"implementation": implementation, **_lengths(backend)}
+    run.update(RESTRICTIONS[restriction](backend))
     results = []
     for arrays in (garbage, zeros):
         q, k, v, g = (backend.asarray(a, "float32") for a in arrays)

@@ -457,11 +457,13 @@ def test_dropout_keeps_the_same_weights_as_dropout_keep_mask(triton_backend: Bac
     np.testing.assert_array_equal(np.swapaxes(dv, -1, -2) != 0, expected)
 
 
+@pytest.mark.parametrize("segments", [False, True], ids=["lengths", "lengths+segments"])
 @pytest.mark.parametrize("fill", [np.nan, np.inf])
-def test_padding_is_never_read(triton_backend: Backend, fill: float) -> None:
+def test_padding_is_never_read(triton_backend: Backend, fill: float, segments: bool) -> None:
     """NaN or inf past the lengths (queries, keys, values, the output's cotangent) leaves
     ``implementation="triton"``'s outputs and gradients those of zeros there, and the
-    padding's gradients zero (the public functions zero the padding first)."""
+    padding's gradients zero (the public functions zero the padding first); also for packed
+    documents, whose ids run on into the padding."""
     rng = np.random.default_rng(6)
     q_len, k_len = np.array([40, 9]), np.array([23, 40])
     clean = [rng.standard_normal((2, 2, 40, 16)).astype(np.float32) for _ in range(4)]
@@ -471,6 +473,9 @@ def test_padding_is_never_read(triton_backend: Backend, fill: float) -> None:
             a[b, :, n[b] :] = fill
             clean_a[b, :, n[b] :] = 0
     lengths = {"query_lengths": q_len, "key_lengths": k_len, "implementation": "triton"}
+    if segments:
+        ids = (np.repeat([0, 1], [15, 25]), np.repeat([0, 1], [10, 30]))
+        lengths["segment_ids"] = tuple(triton_backend.asarray(a) for a in ids)
     results = []
     for arrays in (dirty, clean):
         q, k, v, g = (triton_backend.asarray(a, "float32") for a in arrays)
