@@ -46,6 +46,7 @@ INTERPRETED_SESSIONS = {
     "tests-triton": [
         "tests/test_triton.py",
         "tests/test_triton_dispatch.py",
+        "tests/test_triton_decode.py",
         "tests/test_dispatch_gpu.py",
     ]
 }

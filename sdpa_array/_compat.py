@@ -99,9 +99,9 @@ def host_values(x: Any, *, from_device: bool = True) -> np.ndarray | None:
     """A NumPy copy (or view) of ``x``'s values, or ``None`` where reading them is not possible.
 
     NumPy arrays are returned as they are; arrays on the CPU are read through DLPack; device
-    arrays (CuPy, torch CUDA, JAX on a GPU) are copied to the host, unless ``from_device`` is false (the
-    copy would wait for the device). Lazy Dask arrays are not computed, and JAX tracers have
-    no values.
+    arrays (CuPy, torch CUDA, JAX on a GPU) are copied to the host, unless ``from_device`` is
+    false (the copy would wait for the device). Lazy Dask arrays are not computed, and JAX
+    tracers have no values.
     """
     if isinstance(x, np.ndarray):
         return x

@@ -44,9 +44,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sdpa_array import _kv_cache, reference
+from sdpa_array import reference
 from sdpa_array._compat import array_namespace
 from sdpa_array._kv_cache import attention_with_kv_cache
+from sdpa_array._kv_cache import chunks as kv_chunks
 from sdpa_array.testing import Backend
 from tests.helpers import (
     UNIT_ROUNDOFF,
@@ -282,7 +283,9 @@ def run(
     q64 = host(xq)
     mask64 = None if mask is None else mask
     bias64 = None if xbias is None else host(xbias)
-    oracle_options = {k: v for k, v in options.items() if k not in ("num_splits", "return_lse")}
+    oracle_options = {
+        k: v for k, v in options.items() if k not in ("num_splits", "return_lse", "implementation")
+    }
     check_against_oracle(
         case, out, lse, k_after, v_after, q64, dtype, mask64, bias64, oracle_options
     )
@@ -353,13 +356,13 @@ def test_lengths_and_table_as_arrays(backend, paged):
 def _pieces_spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """Record (first token's page-row position, tokens) of every chunk call."""
     calls: list[tuple[int, int]] = []
-    original = _kv_cache.scaled_dot_product_attention
+    original = kv_chunks.scaled_dot_product_attention
 
     def spy(q, k, v, **kwargs):
         calls.append((int(k.shape[0]), int(k.shape[0]) * int(k.shape[2])))
         return original(q, k, v, **kwargs)
 
-    monkeypatch.setattr(_kv_cache, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(kv_chunks, "scaled_dot_product_attention", spy)
     return calls
 
 
@@ -405,20 +408,20 @@ def test_long_sequence_is_split_for_threads(monkeypatch):
     """A single query over 32768 tokens runs as several chunks on the pool, even with tiny
     heads, and still matches the oracle."""
     seen: list[int] = []
-    original = _kv_cache.map_blocks
+    original = kv_chunks.map_blocks
 
     def spy(xp, fn, items):
         seen.append(len(items))
         return original(xp, fn, items)
 
-    monkeypatch.setattr(_kv_cache, "map_blocks", spy)
+    monkeypatch.setattr(kv_chunks, "map_blocks", spy)
     rng = np.random.default_rng(1)
     n = 32768
     k = rng.standard_normal((1, 1, n, 2)).astype(np.float32)
     v = rng.standard_normal((1, 1, n, 3)).astype(np.float32)
     q = rng.standard_normal((1, 1, 1, 2)).astype(np.float32)
     out, lse, _, _ = attention_with_kv_cache(q, k, v, cache_lengths=[n], return_lse=True)
-    assert seen == [n // _kv_cache.CHUNK_MAX_TOKENS]
+    assert seen == [n // kv_chunks.CHUNK_MAX_TOKENS]
     ref_out, ref_lse = reference.scaled_dot_product_attention(
         q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), return_lse=True
     )

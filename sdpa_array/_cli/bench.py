@@ -122,7 +122,7 @@ def torch_sdpa_peer(backend: Backend) -> Callable[..., Any]:
     def as_torch(x: Any) -> Any:
         if isinstance(x, np.ndarray):
             return torch.from_numpy(x)
-        return x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
+        return x if isinstance(x, torch.Tensor) else torch.utils.dlpack.from_dlpack(x)
 
     def run(q: Any, k: Any, v: Any, *, is_causal: bool = False) -> Any:
         return torch.nn.functional.scaled_dot_product_attention(

@@ -21,11 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from ._band import window_bounds
-from ._compat import array_namespace, device, is_array_api_obj, namespace_name
-from ._options import Options
-from ._problem import check_flag, validate
-from ._typing import Array
+from .._band import window_bounds
+from .._compat import array_namespace, device, is_array_api_obj, namespace_name
+from .._kernels.triton import plan_triton
+from .._options import Options
+from .._problem import Inputs, Problem, check_flag, validate
+from .._typing import Array
 
 __all__ = ["CacheCall", "check_call"]
 
@@ -40,7 +41,14 @@ OPTIONS = (
     "enable_gqa",
     "return_lse",
     "alignment",
+    "implementation",
 )
+
+#: The ``implementation`` names the cache function takes: ``"triton"`` decodes through the
+#: Triton decoding kernel where it applies (else every chunk's call runs the Triton
+#: kernels); the others are given to every chunk's call; ``"auto"`` takes the decoding
+#: kernel on a GPU where it applies.
+IMPLEMENTATION_NAMES = ("auto", "materialized", "blocked", "native", "triton")
 
 #: How a library's readable array becomes a NumPy array (default: ``numpy.asarray``).
 _HOST_READERS: dict[str, Callable[[Any], np.ndarray]] = {
@@ -87,8 +95,10 @@ class CacheCall:
     bias: Array | None
     is_causal: bool
     window: tuple[int | None, int | None] | None
-    passed: dict[str, Any]  # scale, softcap, enable_gqa: given to every chunk's call
+    passed: dict[str, Any]  # scale, softcap, enable_gqa, implementation: to every chunk's call
     return_lse: bool
+    problem: Problem  # the query's checks (scale, softcap, dtype and device resolved)
+    implementation: str
 
     @property
     def B(self) -> int:
@@ -388,8 +398,13 @@ def check_call(
     return_lse = options.get("return_lse", False)
     check_flag("return_lse", return_lse)
     is_causal = options.get("is_causal", False)
+    implementation = options.get("implementation", "auto")
+    if not isinstance(implementation, str) or implementation not in IMPLEMENTATION_NAMES:
+        raise ValueError(
+            f"implementation must be one of {IMPLEMENTATION_NAMES}, got {implementation!r}"
+        )
     passed: dict[str, Any] = {
-        k: options[k] for k in ("scale", "softcap", "enable_gqa") if k in options
+        k: options[k] for k in ("scale", "softcap", "enable_gqa", "implementation") if k in options
     }
     stub = key_cache[:1, :, :0, :]
     stub_options = Options(
@@ -400,7 +415,9 @@ def check_call(
         softcap=options.get("softcap"),
         enable_gqa=enable_gqa,
     )
-    validate(query, stub, value_cache[:1, :, :0, :], stub_options)
+    problem = validate(query, stub, value_cache[:1, :, :0, :], stub_options)
+    if implementation == "triton":  # raises CannotUseTritonError before any work
+        plan_triton(problem, Inputs(query, key_cache, value_cache))
     scores = (B, Hq, L, capacity)
     what = "max_pages * page_size" if paged else "S_max"
     # the window as given (the stub call above has S = 0, which would make every side "past
@@ -427,4 +444,6 @@ def check_call(
         window=window,
         passed=passed,
         return_lse=bool(return_lse),
+        problem=problem,
+        implementation=implementation,
     )
