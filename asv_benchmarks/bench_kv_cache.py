@@ -27,9 +27,9 @@ import tracemalloc
 
 import numpy as np
 
+from sdpa_array._api.kv_cache import attention_with_kv_cache
 from sdpa_array._arrays.parallel import get_num_threads
 from sdpa_array._cli.bench import interleaved_times
-from sdpa_array._kv_cache import attention_with_kv_cache
 from sdpa_array.testing.backends import get_backend
 
 

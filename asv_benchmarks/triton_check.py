@@ -30,8 +30,8 @@ from sdpa_array._kernels.result import finish_gradients
 from sdpa_array._kernels.triton import plan_triton, triton_attention, triton_vjp
 from sdpa_array._kernels.triton.attention import run_backward, run_forward
 from sdpa_array._kernels.triton.configs import tuning_configs
-from sdpa_array._options import Options
-from sdpa_array._problem import Inputs, validate
+from sdpa_array._problem.options import Options
+from sdpa_array._problem.problem import Inputs, validate
 
 DEV = torch.device("cuda")
 torch.backends.cuda.matmul.allow_tf32 = False

@@ -16,16 +16,16 @@ and :mod:`sdpa_array.testing` checks any result against it.
 from importlib.metadata import PackageNotFoundError, version
 
 from . import mods
-from ._api import scaled_dot_product_attention
-from ._api_vjp import scaled_dot_product_attention_vjp
+from ._api.explain import Explanation, explain
+from ._api.forward import scaled_dot_product_attention
+from ._api.kv_cache import attention_with_kv_cache
+from ._api.vjp import scaled_dot_product_attention_vjp
+from ._arrays.merge import merge_attention_states
 from ._arrays.parallel import get_num_threads, set_num_threads
-from ._block_mask import BlockMask, create_block_mask
-from ._explain import Explanation, explain
 from ._kernels.dropout import dropout_keep_mask
 from ._kernels.native import CannotDelegateError
 from ._kernels.triton import CannotUseTritonError
-from ._kv_cache import attention_with_kv_cache
-from ._merge import merge_attention_states
+from ._problem.block_mask import BlockMask, create_block_mask
 
 __all__ = [
     "BlockMask",

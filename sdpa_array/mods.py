@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from sdpa_array._mods_data import (
+from sdpa_array._problem.mods_data import (
     AlibiMod,
     AndMasks,
     Captured,

@@ -13,11 +13,11 @@ import math
 import numpy as np
 import pytest
 
-from sdpa_array import _dispatch
-from sdpa_array._compat import namespace_name
+from sdpa_array._arrays.compat import namespace_name
 from sdpa_array._kernels.native import CannotDelegateError, Request, plan_native
-from sdpa_array._options import Options
-from sdpa_array._problem import Inputs, Problem, validate
+from sdpa_array._plan import dispatch as _dispatch
+from sdpa_array._problem.options import Options
+from sdpa_array._problem.problem import Inputs, Problem, validate
 from sdpa_array.testing.backends import get_backend
 
 #: Backend id of each library in the table (the library name is the namespace's). Dask is

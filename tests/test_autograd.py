@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import sdpa_array
-from sdpa_array import CannotDelegateError, _autograd, reference
+from sdpa_array import CannotDelegateError, reference
+from sdpa_array._plan import autograd as _autograd
 from tests.helpers import (
     KV,
     KV_EV,

@@ -14,14 +14,15 @@ import pytest
 from hypothesis import given
 
 import sdpa_array
-from sdpa_array import _dispatch, reference
+from sdpa_array import reference
 from sdpa_array._arrays import parallel
-from sdpa_array._band import Band
-from sdpa_array._compat import array_namespace
+from sdpa_array._arrays.compat import array_namespace
 from sdpa_array._kernels import blocked, tiling
 from sdpa_array._kernels.restrictions import Restrictions, TileKind
-from sdpa_array._options import Options
-from sdpa_array._problem import validate
+from sdpa_array._plan import dispatch as _dispatch
+from sdpa_array._problem.band import Band
+from sdpa_array._problem.options import Options
+from sdpa_array._problem.problem import validate
 from tests.conftest import SHAPE_COMPILING_LIBRARIES
 from tests.helpers import check_against_oracle
 

@@ -204,7 +204,7 @@ def test_torch_blocked_runs_its_own_backward_under_torch_func(torch_backend):
     ``O(block)`` memory instead of every tile's probabilities."""
     import torch
 
-    from sdpa_array import _autograd
+    from sdpa_array._plan import autograd as _autograd
 
     seen = []
     original = _autograd._torch_function().backward

@@ -20,7 +20,7 @@ distributed = pytest.importorskip("distributed")
 
 import sdpa_array  # noqa: E402
 from sdpa_array._kernels.dask_graph import dask_attention  # noqa: E402
-from sdpa_array._options import Options  # noqa: E402
+from sdpa_array._problem.options import Options  # noqa: E402
 from sdpa_array.testing import assert_close_to_oracle  # noqa: E402
 from sdpa_array.testing.assertions import assert_vjp_close_to_oracle  # noqa: E402
 
@@ -183,8 +183,8 @@ def test_split_every_sets_the_fan_in() -> None:
     rng = np.random.default_rng(4)
     q = da.from_array(rng.standard_normal((1, 1, 8, E)), chunks=(1, 1, 8, E))
     k = da.from_array(rng.standard_normal((1, 1, 64, E)), chunks=(1, 1, 4, E))
-    p = sdpa_array._problem.validate(q, k, k, Options())
-    x = sdpa_array._problem.Inputs(q, k, k)
+    p = sdpa_array._problem.problem.validate(q, k, k, Options())
+    x = sdpa_array._problem.problem.Inputs(q, k, k)
     for fan_in, merges in ((2, 15), (4, 5), (16, 1)):
         out = dask_attention(p, x, return_weights=False, return_lse=False, split_every=fan_in).out
         graph = dict(out.__dask_graph__())

@@ -1,6 +1,6 @@
 """``"auto"`` on a GPU and :func:`sdpa_array.explain`, checked on the CPU.
 
-The dispatcher decides from the validated :class:`~sdpa_array._problem.Problem`; a problem
+The dispatcher decides from the validated :class:`~sdpa_array._problem.problem.Problem`; a problem
 marked ``on_gpu`` (as arrays on a GPU would make it) shows the GPU rule on any machine.
 Nothing runs: only plans are made.
 """
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import sdpa_array
-from sdpa_array import _dispatch
 from sdpa_array._kernels.native import Request, plan_native
 from sdpa_array._kernels.triton import CannotUseTritonError, plan_triton
-from sdpa_array._options import Options
-from sdpa_array._problem import Inputs, validate
+from sdpa_array._plan import dispatch as _dispatch
+from sdpa_array._problem.options import Options
+from sdpa_array._problem.problem import Inputs, validate
 
 
 def gpu_choice(backend, q_shape, k_shape, *, return_lse=False, **options):

@@ -49,7 +49,9 @@ def _case(backend, dtype, seed=0):
 
 def _namespace(backend):
     like = backend.asarray(np.zeros(1), "float32")
-    return sdpa_array._compat.array_namespace({"x": like}), sdpa_array._compat.device(like)
+    return sdpa_array._arrays.compat.array_namespace({"x": like}), sdpa_array._arrays.compat.device(
+        like
+    )
 
 
 def test_keep_mask_bits_are_the_same_on_every_backend(backend):
@@ -57,7 +59,7 @@ def test_keep_mask_bits_are_the_same_on_every_backend(backend):
     expected = dropout_keep_mask(SEED, shape, P)
     xp, device = _namespace(backend)
     got = dropout_keep_mask(SEED, shape, P, xp=xp, device=device)
-    assert sdpa_array._compat.device(got) == device
+    assert sdpa_array._arrays.compat.device(got) == device
     np.testing.assert_array_equal(reference.to_numpy(got), expected)
 
 
@@ -199,7 +201,7 @@ def test_gradients_match_central_differences_with_the_same_seed(implementation):
 def test_autograd_with_dropout(autograd_backend):
     backend = autograd_backend
     q, k, v, g = _case(backend, "float64")
-    xp = sdpa_array._compat.array_namespace({"q": q})
+    xp = sdpa_array._arrays.compat.array_namespace({"q": q})
     drop = {"dropout_p": P, "dropout_seed": SEED, "enable_gqa": True}
     for implementation in ("materialized", "blocked"):
 

@@ -45,9 +45,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sdpa_array import reference
-from sdpa_array._compat import array_namespace
-from sdpa_array._kv_cache import attention_with_kv_cache
-from sdpa_array._kv_cache import chunks as kv_chunks
+from sdpa_array._api.kv_cache import attention_with_kv_cache
+from sdpa_array._api.kv_cache import chunks as kv_chunks
+from sdpa_array._arrays.compat import array_namespace
 from sdpa_array.testing import Backend
 from tests.helpers import (
     UNIT_ROUNDOFF,

@@ -384,7 +384,7 @@ def test_user_mods_receive_the_inputs_library_and_still_skip_tiles(eager_backend
     seen = []
 
     def causal(b, h, q_idx, kv_idx):
-        seen.append((type(q_idx), sdpa_array._compat.device(q_idx)))
+        seen.append((type(q_idx), sdpa_array._arrays.compat.device(q_idx)))
         return where(kv_idx <= q_idx, kv_idx >= 0, kv_idx < 0)
 
     evaluated = []
@@ -402,7 +402,7 @@ def test_user_mods_receive_the_inputs_library_and_still_skip_tiles(eager_backend
     assert seen
     assert {t for t, _ in seen} == {type(q)}
     # a list, not a set: CuPy's devices are not hashable
-    assert all(d == sdpa_array._compat.device(q) for _, d in seen)
+    assert all(d == sdpa_array._arrays.compat.device(q) for _, d in seen)
     on_gpu = backend.device == "cuda"  # there the classes are not read back: all evaluated
     every = [(0, 0), (0, 16), (16, 0), (16, 16)]
     assert sorted(evaluated) == (every if on_gpu else [(0, 0), (16, 16)])

@@ -55,7 +55,7 @@ from hypothesis import strategies as st
 
 import sdpa_array
 from sdpa_array import merge_attention_states, reference
-from sdpa_array._compat import array_namespace
+from sdpa_array._arrays.compat import array_namespace
 from sdpa_array.testing import Backend, get_backend
 from tests.helpers import (
     UNIT_ROUNDOFF,

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sdpa_array import mods
-from sdpa_array._compat import array_namespace, namespace_name
+from sdpa_array._arrays.compat import array_namespace, namespace_name
 from sdpa_array.reference import to_numpy
 from sdpa_array.testing import Backend
 from sdpa_array.testing.backends import get_backend

@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 
 import sdpa_array
-from sdpa_array import CannotDelegateError, _dispatch, reference
+from sdpa_array import CannotDelegateError, reference
 from sdpa_array._kernels import native
 from sdpa_array._kernels.native import Request, plan_native
-from sdpa_array._options import Options
-from sdpa_array._problem import Inputs, validate
+from sdpa_array._plan import dispatch as _dispatch
+from sdpa_array._problem.options import Options
+from sdpa_array._problem.problem import Inputs, validate
 from sdpa_array.testing.backends import BACKENDS
 from tests.conftest import NATIVE_LIBRARIES, NATIVE_LSE_REFUSED_DTYPES, NATIVE_REFUSED_DTYPES
 from tests.helpers import (

@@ -12,11 +12,11 @@ import hypothesis.strategies as st
 import numpy as np
 from hypothesis import given
 
-from sdpa_array._band import Band
 from sdpa_array._kernels.restrictions import DenseMask, Restrictions, TileKind
 from sdpa_array._kernels.tiling import plan_backward, plan_blocks
-from sdpa_array._options import Options
-from sdpa_array._problem import validate
+from sdpa_array._problem.band import Band
+from sdpa_array._problem.options import Options
+from sdpa_array._problem.problem import validate
 from sdpa_array.reference import intermediates
 
 lengths = st.integers(1, 24)

@@ -117,7 +117,7 @@ def _autograd(backend, f, args):
 def test_autograd_reaches_the_scale(autograd_backend_dtype, implementation, blocks, options):
     backend, dtype = autograd_backend_dtype
     q, k, v, g = _inputs(backend, dtype)
-    xp = sdpa_array._compat.array_namespace({"q": q})
+    xp = sdpa_array._arrays.compat.array_namespace({"q": q})
     scale = backend.asarray(np.asarray(SCALE), dtype)
 
     def loss(q, k, v, scale):
@@ -254,7 +254,7 @@ def test_scale_value_is_not_read_on_a_gpu(gpu_backend):
     """Reading a GPU array's value waits for the device (a host synchronisation in every
     call): a scale array on a GPU is taken as it is, like a JAX tracer's."""
     scale = gpu_backend.asarray(np.asarray(0.5), "float32")
-    assert sdpa_array._compat.known_value(scale) is None
+    assert sdpa_array._arrays.compat.known_value(scale) is None
 
 
 def test_scale_of_another_library(non_numpy_backend):

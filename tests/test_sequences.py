@@ -22,8 +22,8 @@ import pytest
 import sdpa_array
 from sdpa_array._kernels.operands import prepare
 from sdpa_array._kernels.tiling import plan_blocks
-from sdpa_array._options import Options
-from sdpa_array._problem import Inputs, validate
+from sdpa_array._problem.options import Options
+from sdpa_array._problem.problem import Inputs, validate
 from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
 from tests.helpers import as_checked
 

@@ -181,7 +181,7 @@ def _autograd(backend, f, args):
 def test_autograd_reaches_the_sinks(autograd_backend_dtype, implementation, blocks):
     backend, dtype = autograd_backend_dtype
     q, k, v, g, sinks, options = _case(backend, dtype, {"mask": "rows", "is_causal": True})
-    xp = sdpa_array._compat.array_namespace({"q": q})
+    xp = sdpa_array._arrays.compat.array_namespace({"q": q})
     acc = xp.float64 if dtype == "float64" else xp.float32
 
     def loss(q, k, v, sinks):
@@ -199,7 +199,7 @@ def test_autograd_reaches_the_sinks(autograd_backend_dtype, implementation, bloc
 def test_autograd_through_the_lse_reaches_the_sinks(autograd_backend, implementation):
     backend = autograd_backend
     q, k, v, g, sinks, options = _case(backend, "float64", {"mask": "rows"})
-    xp = sdpa_array._compat.array_namespace({"q": q})
+    xp = sdpa_array._arrays.compat.array_namespace({"q": q})
     g_lse = backend.asarray(np.random.default_rng(4).standard_normal(Q[:-1]), "float64")
 
     def loss(sinks):

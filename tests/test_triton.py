@@ -48,8 +48,8 @@ from sdpa_array._kernels.triton import (
 from sdpa_array._kernels.triton import plan as triton_plan
 from sdpa_array._kernels.triton.attention import run_backward, run_forward
 from sdpa_array._kernels.triton.configs import Blocks, interpreting
-from sdpa_array._options import Options
-from sdpa_array._problem import Inputs, Problem, validate
+from sdpa_array._problem.options import Options
+from sdpa_array._problem.problem import Inputs, Problem, validate
 from sdpa_array.testing import assert_array_like, assert_close, assert_within, get_backend
 from sdpa_array.testing.backends import Backend
 from sdpa_array.testing.bounds import (

@@ -25,7 +25,8 @@ if importlib.util.find_spec("triton") is None:
         allow_module_level=True,
     )
 
-from sdpa_array import _kv_cache
+from sdpa_array._api import kv_cache as _kv_cache
+from sdpa_array._api.kv_cache import api as kv_api
 from sdpa_array._kernels.triton import CannotUseTritonError
 from sdpa_array._kernels.triton.configs import interpreting
 from sdpa_array._kernels.triton.decoding import (
@@ -35,7 +36,6 @@ from sdpa_array._kernels.triton.decoding import (
     decode_reason,
     decode_splits,
 )
-from sdpa_array._kv_cache import api as kv_api
 from sdpa_array.testing import get_backend
 from sdpa_array.testing.backends import Backend
 from tests.test_kv_cache import CACHED_LENGTHS, HQ, NEW_LENGTHS, make_case, run

@@ -21,11 +21,11 @@ if importlib.util.find_spec("triton") is None:
     )
 
 import sdpa_array
-from sdpa_array import _autograd
 from sdpa_array._kernels.triton import triton_attention
 from sdpa_array._kernels.triton.configs import interpreting
-from sdpa_array._options import Options
-from sdpa_array._problem import Inputs, validate
+from sdpa_array._plan import autograd as _autograd
+from sdpa_array._problem.options import Options
+from sdpa_array._problem.problem import Inputs, validate
 from sdpa_array.testing import get_backend
 
 BACKEND = get_backend("torch" if interpreting() else "torch:cuda")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import sdpa_array
-from sdpa_array import _dispatch
+from sdpa_array._plan import dispatch as _dispatch
 
 F = np.float32
 

@@ -21,12 +21,12 @@ import pytest
 
 import sdpa_array
 from sdpa_array import reference
-from sdpa_array._compat import array_namespace
+from sdpa_array._arrays.compat import array_namespace
 from sdpa_array._kernels import vjp_blocked
 from sdpa_array._kernels.restrictions import Restrictions
 from sdpa_array._kernels.tiling import GRID_RESTRICTED, TILE_BYTES, plan_backward
-from sdpa_array._options import Options
-from sdpa_array._problem import validate
+from sdpa_array._problem.options import Options
+from sdpa_array._problem.problem import validate
 from tests.conftest import SHAPE_COMPILING_LIBRARIES
 from tests.helpers import (
     KV,

@@ -6,7 +6,7 @@
   ``is_causal``, both alignments, windows, a padding mask and GQA, computed by
   :func:`sdpa_array.lab.attention_patterns` with the library itself.
 * ``generated/snippets/implementations.md``: one row per entry of the implementation
-  table ``sdpa_array._dispatch.IMPLEMENTATIONS`` (the one private name the docs read),
+  table ``sdpa_array._plan.dispatch.IMPLEMENTATIONS`` (the one private name the docs read),
   described by the docstring of the row's forward kernel and by what the row declares
   (block sizes, a backward kernel for the VJP).
 * ``objects.inv`` and cross-references know the public names only: a class that the package
@@ -53,7 +53,7 @@ def backend_table() -> str:
 
 def implementations_table() -> str:
     """The ``implementation=`` choices: each row's forward-kernel summary and what it takes."""
-    from sdpa_array._dispatch import IMPLEMENTATIONS
+    from sdpa_array._plan.dispatch import IMPLEMENTATIONS
 
     rows = [
         "| `implementation=` | what it does | `block_q`, `block_k` | in the VJP |",

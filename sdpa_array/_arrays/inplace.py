@@ -19,7 +19,7 @@ from types import ModuleType
 
 from array_api_compat import is_numpy_array, is_writeable_array
 
-from .._typing import Array
+from .typing import Array
 
 __all__ = ["add", "multiply", "subtract", "where_columns"]
 

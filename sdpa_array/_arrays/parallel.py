@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from threadpoolctl import ThreadpoolController
 
-from .._compat import namespace_name
+from .compat import namespace_name
 
 __all__ = [
     "DEFAULT_MAX_THREADS",

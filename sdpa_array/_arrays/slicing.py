@@ -6,7 +6,7 @@ the whole (single) entry.
 
 from __future__ import annotations
 
-from .._typing import Array
+from .typing import Array
 
 __all__ = ["at_batch", "tile_of"]
 

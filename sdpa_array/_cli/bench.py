@@ -82,7 +82,7 @@ def make_inputs(
 
 def naive_attention(q: Any, k: Any, v: Any, *, is_causal: bool = False) -> Any:
     """The straightforward three steps (scores, softmax, product) in the arrays' library."""
-    from .._compat import array_namespace
+    from .._arrays.compat import array_namespace
 
     xp = array_namespace({"q": q})
     s = xp.matmul(q, xp.matrix_transpose(k)) * (1.0 / math.sqrt(q.shape[-1]))
@@ -97,7 +97,7 @@ def naive_attention(q: Any, k: Any, v: Any, *, is_causal: bool = False) -> Any:
 
 def two_products(q: Any, k: Any, v: Any) -> Any:
     """``(q kᵀ) v``: the two matrix products of attention, nothing else."""
-    from .._compat import array_namespace
+    from .._arrays.compat import array_namespace
 
     xp = array_namespace({"q": q})
     return xp.matmul(xp.matmul(q, xp.matrix_transpose(k)), v)

@@ -18,5 +18,5 @@ The forward and backward kernels share one pipeline, one module a step:
 * :mod:`.parallel`, :mod:`.inplace`: the NumPy thread pool and in-place updates, the only
   library-specific choices of the generic kernels.
 
-:mod:`sdpa_array._dispatch` lists the kernels and chooses one per call.
+:mod:`sdpa_array._plan.dispatch` lists the kernels and chooses one per call.
 """

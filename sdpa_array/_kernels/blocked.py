@@ -18,8 +18,8 @@ import math
 
 from .._arrays import inplace
 from .._arrays.parallel import map_blocks
-from .._problem import Inputs, Problem
-from .._typing import Array
+from .._arrays.typing import Array
+from .._problem.problem import Inputs, Problem
 from .layout import broadcast_if_needed, concat, ungroup
 from .materialized import materialized_attention
 from .operands import Operands, prepare, tile_scores

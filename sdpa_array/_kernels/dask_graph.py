@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from .._band import Band
-from .._compat import array_namespace, device, is_dask_array
-from .._options import Options
-from .._problem import Inputs, Problem, validate
-from .._typing import Array
+from .._arrays.compat import array_namespace, device, is_dask_array
+from .._arrays.typing import Array
+from .._problem.band import Band
+from .._problem.options import Options
+from .._problem.problem import Inputs, Problem, validate
 from .blocked import blocked_attention
 from .layout import broadcast_if_needed, grouped_operand, grouped_score_term, sum_to_shape, ungroup
 from .restrictions import Restriction, Restrictions, TileKind
@@ -238,7 +238,7 @@ def _empty_part(compute: str, shape: tuple[int, ...], q: Array) -> tuple[Array, 
 
 
 def _merge_parts(parts: list[tuple[Array, Array]]) -> tuple[Array, Array]:
-    from .._merge import merge_attention_states
+    from .._arrays.merge import merge_attention_states
 
     return merge_attention_states([o for o, _ in parts], [s for _, s in parts])
 

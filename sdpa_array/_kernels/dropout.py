@@ -41,10 +41,10 @@ from typing import Any
 import numpy as np
 
 from .._arrays import inplace
+from .._arrays.compat import array_namespace
 from .._arrays.slicing import at_batch
-from .._compat import array_namespace
-from .._options import check_dropout
-from .._typing import Array
+from .._arrays.typing import Array
+from .._problem.options import check_dropout
 
 __all__ = ["Dropout", "dropout_keep_mask", "keep_tile", "key_grid", "threshold"]
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 from .._arrays import inplace
 from .._arrays.slicing import at_batch
-from .._problem import Inputs, Problem
-from .._typing import Array
+from .._arrays.typing import Array
+from .._problem.problem import Inputs, Problem
 from .layout import merge_groups
 from .operands import Operands, prepare, prepare_rows, tile_scores
 from .score_terms import ScoreTerms

@@ -12,8 +12,8 @@ from __future__ import annotations
 from types import ModuleType
 
 from .._arrays.slicing import at_batch, tile_of
-from .._problem import Problem
-from .._typing import Array
+from .._arrays.typing import Array
+from .._problem.problem import Problem
 
 __all__ = [
     "at_batch",

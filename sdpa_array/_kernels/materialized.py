@@ -8,7 +8,7 @@ the sink); dropout zeroes weights after the softmax, so the log-sum-exp ignores 
 
 from __future__ import annotations
 
-from .._problem import Inputs, Problem
+from .._problem.problem import Inputs, Problem
 from .layout import ungroup
 from .operands import prepare, tile_scores
 from .result import AttentionResult

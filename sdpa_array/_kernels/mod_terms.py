@@ -7,7 +7,7 @@ their function on the index arrays of one tile (:class:`ModIndices`), never on t
 ``(L, S)`` grid unless the tile is the grid (the materialized kernel).
 
 A :class:`ModMask` classifies tiles from block classes (:class:`BlockClasses`): those of a
-:class:`~sdpa_array._block_mask.BlockMask` the caller made, or, for a plain function, those
+:class:`~sdpa_array._problem.block_mask.BlockMask` the caller made, or, for a plain function, those
 it gives on index arrays of the inputs' library (on NumPy ones for the ready-made functions
 of :mod:`sdpa_array.mods`, which give the same values there), computed the first time a
 planner asks. Where the classes cannot be read (traced or lazy data, or on a GPU for a
@@ -25,13 +25,13 @@ from typing import Any
 
 import numpy as np
 
+from .._arrays.compat import stop_gradient
 from .._arrays.slicing import at_batch
-from .._block_mask import EMPTY, FULL, HOST_BLOCK, BlockMask, classify_in, classify_on_host
-from .._compat import stop_gradient
-from .._mod_calls import call_mod, index_grid
-from .._mods_data import NamedMod
-from .._problem import Problem
-from .._typing import Array
+from .._arrays.typing import Array
+from .._problem.block_mask import EMPTY, FULL, HOST_BLOCK, BlockMask, classify_in, classify_on_host
+from .._problem.mod_calls import call_mod, index_grid
+from .._problem.mods_data import NamedMod
+from .._problem.problem import Problem
 from .restrictions import TileKind
 
 __all__ = ["BlockClasses", "ModBias", "ModIndices", "ModMask", "mod_bias", "mod_mask"]
@@ -45,7 +45,7 @@ class ModIndices:
     ----------
     batch, head : array
         Flat batch index and query head index, shaped to broadcast against the kernel
-        layout's batch axes (see :func:`~sdpa_array._mod_calls.index_grid`).
+        layout's batch axes (see :func:`~sdpa_array._problem.mod_calls.index_grid`).
     shape : tuple of int
         The kernel batch shape they cover.
     xp : module
@@ -91,11 +91,12 @@ def _indices(p: Problem) -> ModIndices:
 class BlockClasses:
     """Block classes of a mask function in the kernel layout, computed on first use.
 
-    ``compute`` returns them as ``(B', H', nq, nk)`` (:class:`~sdpa_array._block_mask.BlockMask`'s
-    ``kinds``) or ``None``; they are placed in the kernel layout (the batch and heads axes
-    whole where the function depends on them, of size 1 otherwise) and, for a batch slice,
-    cut to it. :meth:`reduced` gives what the planners need: whether each block is nonempty
-    for some, and full for every, batch element and head of the slice.
+    ``compute`` returns them as ``(B', H', nq, nk)``
+    (:class:`~sdpa_array._problem.block_mask.BlockMask`'s ``kinds``) or ``None``; they are
+    placed in the kernel layout (the batch and heads axes whole where the function depends
+    on them, of size 1 otherwise) and, for a batch slice, cut to it. :meth:`reduced` gives
+    what the planners need: whether each block is nonempty for some, and full for every,
+    batch element and head of the slice.
     """
 
     def __init__(

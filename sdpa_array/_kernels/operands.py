@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._arrays import inplace
-from .._problem import Inputs, Problem
-from .._typing import Array
+from .._arrays.typing import Array
+from .._problem.problem import Inputs, Problem
 from .dropout import Dropout, key_grid
 from .layout import (
     at_batch,

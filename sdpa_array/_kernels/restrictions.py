@@ -35,7 +35,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from .._arrays.slicing import at_batch, tile_of
-from .._typing import Array
+from .._arrays.typing import Array
 
 __all__ = ["DenseMask", "Restriction", "Restrictions", "TileKind"]
 

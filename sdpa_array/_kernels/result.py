@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .._problem import Inputs, Problem
-from .._typing import Array
+from .._arrays.typing import Array
+from .._problem.problem import Inputs, Problem
 from .layout import broadcast_if_needed, sum_to_shape, ungroup
 
 __all__ = [

@@ -20,7 +20,7 @@ from types import ModuleType
 
 from .._arrays import inplace
 from .._arrays.slicing import at_batch, tile_of
-from .._typing import Array
+from .._arrays.typing import Array
 from .mod_terms import ModBias
 
 __all__ = ["ScoreTerms"]

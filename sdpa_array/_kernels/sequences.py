@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from .._arrays.slicing import at_batch
-from .._band import Band
-from .._problem import Problem
-from .._typing import Array
+from .._arrays.typing import Array
+from .._problem.band import Band
+from .._problem.problem import Problem
 from .restrictions import Restriction
 
 __all__ = ["SegmentIds", "SequenceLengths", "ShiftedBand", "sequence_members"]

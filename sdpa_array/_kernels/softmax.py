@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from .._problem import Problem
-from .._typing import Array
+from .._arrays.typing import Array
+from .._problem.problem import Problem
 
 __all__ = ["exp_shift", "log_sum_exp", "row_sum", "safe_reciprocal", "safe_row_max"]
 

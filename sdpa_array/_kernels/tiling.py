@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .._problem import Problem
+from .._problem.problem import Problem
 from .restrictions import Restrictions, TileKind
 
 __all__ = [

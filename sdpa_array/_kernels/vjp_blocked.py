@@ -40,8 +40,8 @@ from typing import Any
 
 from .._arrays.parallel import get_num_threads, map_blocks
 from .._arrays.slicing import tile_of
-from .._problem import Inputs, Problem
-from .._typing import Array
+from .._arrays.typing import Array
+from .._problem.problem import Inputs, Problem
 from .blocked import blocked_attention
 from .gradients import BackwardOperands, prepare_backward, sink_gradient, tile_gradients
 from .layout import concat, sum_to_shape

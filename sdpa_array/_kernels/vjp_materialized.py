@@ -8,8 +8,8 @@ every product runs once over all queries and keys. Memory is ``O(L * S)`` per ba
 
 from __future__ import annotations
 
-from .._problem import Inputs, Problem
-from .._typing import Array
+from .._arrays.typing import Array
+from .._problem.problem import Inputs, Problem
 from .gradients import prepare_backward, sink_gradient, tile_gradients
 from .materialized import materialized_attention
 from .result import RawGrads

@@ -45,10 +45,10 @@ d_k  mean q·k  var q·k  99.9% interval (theory d_k)  ...
 from __future__ import annotations
 
 # Names the single-module ``sdpa_array.lab`` also exposed; kept so that they still resolve.
-from .._api import scaled_dot_product_attention as scaled_dot_product_attention
-from .._api_vjp import scaled_dot_product_attention_vjp as scaled_dot_product_attention_vjp
-from .._compat import array_namespace as array_namespace
-from .._compat import device as device
+from .._api.forward import scaled_dot_product_attention as scaled_dot_product_attention
+from .._api.vjp import scaled_dot_product_attention_vjp as scaled_dot_product_attention_vjp
+from .._arrays.compat import array_namespace as array_namespace
+from .._arrays.compat import device as device
 from ..reference import to_numpy as to_numpy
 from ..testing.backends import Backend as Backend
 from ..testing.backends import get_backend as get_backend

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .._compat import array_namespace
+from .._arrays.compat import array_namespace
 from ..reference import to_numpy
 from ..testing.backends import Backend, get_backend
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .._api_vjp import scaled_dot_product_attention_vjp
+from .._api.vjp import scaled_dot_product_attention_vjp
 from ._plumbing import namespace_of
 from .softmax_and_jacobian import softmax
 

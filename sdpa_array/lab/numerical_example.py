@@ -8,7 +8,7 @@ from decimal import Decimal
 
 import numpy as np
 
-from .._api import scaled_dot_product_attention
+from .._api.forward import scaled_dot_product_attention
 from ..testing.backends import Backend
 from ._plumbing import configured, host, namespace_of
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .._api import scaled_dot_product_attention
+from .._api.forward import scaled_dot_product_attention
 from ..testing.backends import Backend
 from ._plumbing import configured, host, normal
 

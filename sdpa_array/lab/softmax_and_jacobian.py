@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._compat import device
+from .._arrays.compat import device
 from ._plumbing import namespace_of
 
 __all__ = ["softmax", "softmax_jacobian"]

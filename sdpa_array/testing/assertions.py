@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from .. import reference
-from .._compat import array_namespace, device
-from .._typing import Array
+from .._arrays.compat import array_namespace, device
+from .._arrays.typing import Array
 from .bounds import (
     UNIT_ROUNDOFF,
     compute_dtype,

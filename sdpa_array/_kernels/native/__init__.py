@@ -19,7 +19,7 @@ What every delegation does the same way (so the kernels' own rules never leak ou
 * the kernels' ``is_causal`` is top-left aligned, so it is used only for ``is_causal`` with
   the diagonal at key ``i`` (``"top_left"``, or ``L == S``) and no window; every other
   positional restriction (bottom-right with ``L != S``, windows) becomes an explicit
-  boolean mask built from the call's :class:`~sdpa_array._band.Band` (``builds_mask``);
+  boolean mask built from the call's :class:`~sdpa_array._problem.band.Band` (``builds_mask``);
 * rows with no admissible key get zeros and a log-sum-exp of ``-inf`` afterwards, whatever
   the kernel gave (torch < 2.5: NaN; JAX: the mean of the values or NaN); sinks and
   dropout are refused (no kernel has the first, none draws the keep mask's bits);
@@ -33,9 +33,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..._compat import namespace_name
-from ..._problem import Inputs, Problem
-from ..._typing import Array
+from ..._arrays.compat import namespace_name
+from ..._arrays.typing import Array
+from ..._problem.problem import Inputs, Problem
 from ..layout import grouped_operand, grouped_score_term
 from ..result import AttentionResult, RawGrads
 from .delegation import (

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..._problem import Inputs, Problem
-from ..._typing import Array
+from ..._arrays.typing import Array
+from ..._problem.problem import Inputs, Problem
 from ..layout import leading_axes, ungroup
 from ..operands import kernel_scale, prepare, tile_scores
 from ..result import AttentionResult
@@ -80,12 +80,12 @@ class Delegation:
         Computes the call.
     twice_differentiable : bool
         Whether the library can differentiate the kernel's own backward pass (double
-        backward); where it cannot, :mod:`sdpa_array._autograd` differentiates a call that
+        backward); where it cannot, :mod:`sdpa_array._plan.autograd` differentiates a call that
         returns the log-sum-exp through our backward kernels instead.
     lse_differentiable : bool
         Whether the library's autodiff carries a gradient through the kernel's log-sum-exp
         (torch's kernels that return it mark it non-differentiable, so a loss on it would
-        silently lose that part of the gradient: :mod:`sdpa_array._autograd` then
+        silently lose that part of the gradient: :mod:`sdpa_array._plan.autograd` then
         differentiates the call through our backward kernels).
     """
 

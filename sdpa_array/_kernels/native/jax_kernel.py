@@ -6,7 +6,7 @@ import functools
 import inspect
 from typing import Any
 
-from ..._problem import Problem
+from ..._problem.problem import Problem
 from ..result import AttentionResult
 from .delegation import (
     Delegation,

@@ -9,7 +9,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ..._problem import Problem
+from ..._problem.problem import Problem
 from ..result import AttentionResult
 from .delegation import (
     Delegation,

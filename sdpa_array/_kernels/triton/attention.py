@@ -1,8 +1,9 @@
 """The Triton implementation's forward and backward entries, in the kernel contracts.
 
 :func:`triton_attention` and :func:`triton_vjp` take a validated
-:class:`~sdpa_array._problem.Problem` and the caller's :class:`~sdpa_array._problem.Inputs`
-(as every row of :data:`sdpa_array._dispatch.IMPLEMENTATIONS` does) and return an
+:class:`~sdpa_array._problem.problem.Problem` and the caller's
+:class:`~sdpa_array._problem.problem.Inputs`
+(as every row of :data:`sdpa_array._plan.dispatch.IMPLEMENTATIONS` does) and return an
 :class:`~sdpa_array._kernels.result.AttentionResult` or
 :class:`~sdpa_array._kernels.result.RawGrads`.
 Outputs are allocated with the inputs' library on their device; the kernels write them.
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..._problem import Inputs, Problem
-from ..._typing import Array
+from ..._arrays.typing import Array
+from ..._problem.problem import Inputs, Problem
 from ..layout import ungroup
 from ..operands import prepare, prepare_rows, tile_scores
 from ..result import AttentionResult, RawGrads
@@ -226,7 +227,7 @@ def triton_attention(
 ) -> AttentionResult:
     """Attention fused in one Triton kernel (GPU); memory ``O(L)`` beyond the output.
 
-    The contract of :class:`sdpa_array._dispatch.ForwardKernel`. ``out`` comes in the
+    The contract of :class:`sdpa_array._plan.dispatch.ForwardKernel`. ``out`` comes in the
     inputs' dtype (float32 accumulation) and ``lse`` in float32. With ``return_weights``
     the weights are formed afterwards as ``exp(scores - lse)`` by the shared score code
     (the whole score matrix, as the weights are).
@@ -252,7 +253,7 @@ def triton_vjp(
     grad_lse: Array = None,
 ) -> RawGrads:
     """Gradients by the Triton backward kernels (the contract of
-    :class:`sdpa_array._dispatch.BackwardKernel`).
+    :class:`sdpa_array._plan.dispatch.BackwardKernel`).
 
     ``out`` and ``lse`` are the forward's (both or neither: without them the forward kernel
     runs first); ``grad_lse`` is the log-sum-exp's cotangent. ``dq``, ``dk``, ``dv`` come in

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..._problem import Problem
+from ..._problem.problem import Problem
 
 __all__ = [
     "AUTOTUNE_FROM",

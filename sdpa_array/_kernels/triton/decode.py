@@ -6,7 +6,7 @@ one tile, so a cache token is loaded once for all of them. It walks its split's 
 blocks of ``BLOCK_N``, finding each token's page through the block table (a contiguous
 cache is one page per sequence), and keeps FlashAttention's online softmax: the split's
 partial output (normalised) and log-sum-exp go to float32 buffers, which
-:func:`~sdpa_array._merge.merge_attention_states` merges over the splits (flash-decoding).
+:func:`~sdpa_array._arrays.merge.merge_attention_states` merges over the splits (flash-decoding).
 
 Token ``t`` of sequence ``b`` is admissible for query ``i`` when ``t < n_b`` (the attended
 tokens) and it lies in the band around the bottom-right diagonal ``n_b - L + i``:

@@ -3,8 +3,8 @@
 :func:`decode_reason` says why a KV-cache call cannot go through the decoding kernel of
 :mod:`.decode` (``None``: it can); :func:`triton_decode` runs it: one launch over (sequence,
 key/value head, split) and one merge of the splits' parts by their log-sum-exps. The
-caller (:mod:`sdpa_array._kv_cache.decode`) has written the new tokens and describes a contiguous
-cache as pages of one sequence each.
+caller (:mod:`sdpa_array._api.kv_cache.decode`) has written the new tokens and describes a
+contiguous cache as pages of one sequence each.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..._merge import merge_attention_states
-from ..._typing import Array
+from ..._arrays.merge import merge_attention_states
+from ..._arrays.typing import Array
 from .configs import feature_block, interpreting
 from .decode import decode_kernel
 from .launch import device_context

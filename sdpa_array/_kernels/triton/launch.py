@@ -19,8 +19,8 @@ import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..._problem import Problem
-from ..._typing import Array
+from ..._arrays.typing import Array
+from ..._problem.problem import Problem
 from ._lang import triton
 from .backward import delta_kernel
 from .backward_keys import dkdv_kernel

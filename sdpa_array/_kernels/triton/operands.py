@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from ..._problem import Inputs, Problem
-from ..._typing import Array
+from ..._arrays.typing import Array
+from ..._problem.problem import Inputs, Problem
 from ..dropout import key_grid, threshold
 from ..layout import leading_axes
 from ..operands import kernel_scale

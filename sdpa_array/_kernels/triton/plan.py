@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from ..._compat import namespace_name
-from ..._problem import Inputs, Problem
+from ..._arrays.compat import namespace_name
+from ..._problem.problem import Inputs, Problem
 from .configs import interpreting
 
 __all__ = ["MAX_HEAD_DIM", "CannotUseTritonError", "plan_triton"]

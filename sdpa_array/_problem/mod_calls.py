@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from ._compat import array_namespace, is_array_api_obj
-from ._typing import Array
+from .._arrays.compat import array_namespace, is_array_api_obj
+from .._arrays.typing import Array
 
 __all__ = ["MOD_KINDS", "call_mod", "check_mod_callable", "index_grid"]
 

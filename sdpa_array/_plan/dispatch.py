@@ -4,7 +4,7 @@ autograd all use.
 Each row of :data:`IMPLEMENTATIONS` names a forward kernel and, where there is one, its
 backward kernel. :func:`choose` turns the caller's ``implementation=`` (and block sizes)
 into a :class:`Choice`: the row's name, its kernels and the block sizes. The autograd
-wrappers (:mod:`sdpa_array._autograd`) ask a choice for its name and its backward kernel,
+wrappers (:mod:`sdpa_array._plan.autograd`) ask a choice for its name and its backward kernel,
 so forward and backward can never disagree about which implementation ran.
 """
 
@@ -14,11 +14,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ._compat import namespace_name
-from ._kernels.blocked import blocked_attention
-from ._kernels.dask_graph import dask_attention, dask_vjp
-from ._kernels.materialized import materialized_attention
-from ._kernels.native import (
+from .._arrays.compat import namespace_name
+from .._arrays.typing import Array
+from .._kernels.blocked import blocked_attention
+from .._kernels.dask_graph import dask_attention, dask_vjp
+from .._kernels.materialized import materialized_attention
+from .._kernels.native import (
     CannotDelegateError,
     Delegation,
     Request,
@@ -27,13 +28,12 @@ from ._kernels.native import (
     plan_native,
     plan_native_vjp,
 )
-from ._kernels.result import AttentionResult, RawGrads
-from ._kernels.tiling import TILE_BYTES, check_block_sizes
-from ._kernels.triton import CannotUseTritonError, plan_triton, triton_attention, triton_vjp
-from ._kernels.vjp_blocked import blocked_vjp
-from ._kernels.vjp_materialized import materialized_vjp
-from ._problem import Inputs, Problem
-from ._typing import Array
+from .._kernels.result import AttentionResult, RawGrads
+from .._kernels.tiling import TILE_BYTES, check_block_sizes
+from .._kernels.triton import CannotUseTritonError, plan_triton, triton_attention, triton_vjp
+from .._kernels.vjp_blocked import blocked_vjp
+from .._kernels.vjp_materialized import materialized_vjp
+from .._problem.problem import Inputs, Problem
 
 __all__ = [
     "AUTO_BLOCKED_BYTES",

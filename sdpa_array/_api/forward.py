@@ -1,10 +1,10 @@
 """The public forward entry point: validate, choose, run, finish.
 
-It reads the same way as the VJP's (:mod:`sdpa_array._api_vjp`):
-:func:`~sdpa_array._problem.validate` checks every argument into a
-:class:`~sdpa_array._problem.Problem` before any array work;
-:func:`~sdpa_array._dispatch.choose` picks the implementation from the one table;
-the kernel runs (the forward through :mod:`sdpa_array._autograd`, which wraps it for torch
+It reads the same way as the VJP's (:mod:`sdpa_array._api.vjp`):
+:func:`~sdpa_array._problem.problem.validate` checks every argument into a
+:class:`~sdpa_array._problem.problem.Problem` before any array work;
+:func:`~sdpa_array._plan.dispatch.choose` picks the implementation from the one table;
+the kernel runs (the forward through :mod:`sdpa_array._plan.autograd`, which wraps it for torch
 and JAX autodiff where needed); :mod:`sdpa_array._kernels.result` casts and packs the result.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Literal, overload
 
-from . import _autograd
-from ._kernels.result import empty_result, finalize
-from ._options import Options
-from ._plan import Outputs, plan_forward
-from ._typing import Alignment, Array, BiasMod, ImplementationName, MaskMod
+from .._arrays.typing import Alignment, Array, BiasMod, ImplementationName, MaskMod
+from .._kernels.result import empty_result, finalize
+from .._plan import autograd as _autograd
+from .._plan.plan import Outputs, plan_forward
+from .._problem.options import Options
 
 __all__ = ["scaled_dot_product_attention"]
 

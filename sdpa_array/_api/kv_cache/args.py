@@ -1,10 +1,10 @@
-"""Checking the arguments of :func:`~sdpa_array._kv_cache.attention_with_kv_cache`.
+"""Checking the arguments of :func:`~sdpa_array._api.kv_cache.attention_with_kv_cache`.
 
 :func:`check_call` runs every check before any array work and returns a :class:`CacheCall`;
 each error names the argument and the shapes, dtypes or values involved. The options that the
 cache function passes on to :func:`~sdpa_array.scaled_dot_product_attention` (``window``,
 ``scale``, ``softcap``, the flags) are checked by the main function's own
-:func:`~sdpa_array._problem.validate`, on an empty stand-in for the keys, so that both
+:func:`~sdpa_array._problem.problem.validate`, on an empty stand-in for the keys, so that both
 functions accept exactly the same values.
 
 Cache lengths and block tables are read on the host where that is possible (NumPy arrays,
@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from .._band import window_bounds
-from .._compat import array_namespace, device, is_array_api_obj, namespace_name
-from .._kernels.triton import plan_triton
-from .._options import Options
-from .._problem import Inputs, Problem, check_flag, validate
-from .._typing import Array
+from ..._arrays.compat import array_namespace, device, is_array_api_obj, namespace_name
+from ..._arrays.typing import Array
+from ..._kernels.triton import plan_triton
+from ..._problem.band import window_bounds
+from ..._problem.options import Options
+from ..._problem.problem import Inputs, Problem, check_flag, validate
 
 __all__ = ["CacheCall", "check_call"]
 

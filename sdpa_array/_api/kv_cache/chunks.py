@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from .._api import scaled_dot_product_attention
-from .._arrays.parallel import map_blocks
-from .._merge import merge_attention_states
-from .._typing import Array
+from ..._arrays.merge import merge_attention_states
+from ..._arrays.parallel import map_blocks
+from ..._arrays.typing import Array
+from ..forward import scaled_dot_product_attention
 from .args import CacheCall
 
 __all__ = ["CHUNK_BYTES", "CHUNK_MAX_TOKENS", "attend_chunks"]

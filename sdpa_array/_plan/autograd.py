@@ -2,7 +2,7 @@
 
 The materialized and native implementations are compositions of the library's own
 differentiable operations (or its fused kernel), so torch and JAX differentiate them by
-themselves. An implementation whose :class:`~sdpa_array._dispatch.Row` says
+themselves. An implementation whose :class:`~sdpa_array._plan.dispatch.Row` says
 ``own_autograd`` (the blocked one) could be differentiated that way too, but the library
 would keep every tile's probabilities for the backward pass, and the tiles add up to the
 whole score matrix. So when it runs on torch tensors that require grad, or on JAX tracers,
@@ -28,7 +28,7 @@ log-sum-exp nor the kernel's backward.
 
 Both wrappers take ``sinks`` like ``bias`` (a differentiable input, ``None`` when absent);
 dropout needs nothing saved, since the backward kernel regenerates its keep mask from the
-seed in the :class:`~sdpa_array._problem.Problem`. Both wrappers also differentiate the
+seed in the :class:`~sdpa_array._problem.problem.Problem`. Both wrappers also differentiate the
 log-sum-exp output (``d lse_i / d z_ij = P_ij``). This
 is the only module that knows torch's and JAX's autodiff APIs.
 """
@@ -39,12 +39,12 @@ import dataclasses
 import functools
 from typing import Any
 
-from ._compat import namespace_name
-from ._dispatch import Choice, choose
-from ._kernels.native import Request, plan_native
-from ._kernels.result import AttentionResult, finish_gradients
-from ._problem import Inputs, Problem
-from ._typing import Array
+from .._arrays.compat import namespace_name
+from .._arrays.typing import Array
+from .._kernels.native import Request, plan_native
+from .._kernels.result import AttentionResult, finish_gradients
+from .._problem.problem import Inputs, Problem
+from .dispatch import Choice, choose
 
 __all__ = ["forward"]
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._dispatch import Choice, choose
-from ._kernels.native import Request
-from ._options import Options
-from ._problem import Inputs, Problem, check_flag, validate
-from ._typing import Array
+from .._arrays.typing import Array
+from .._kernels.native import Request
+from .._problem.options import Options
+from .._problem.problem import Inputs, Problem, check_flag, validate
+from .dispatch import Choice, choose
 
 __all__ = ["Outputs", "Plan", "plan_forward", "plan_vjp"]
 

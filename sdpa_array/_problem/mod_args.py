@@ -14,8 +14,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from ._block_mask import BlockMask
-from ._mod_calls import call_mod, check_mod_callable, index_grid
+from .block_mask import BlockMask
+from .mod_calls import call_mod, check_mod_callable, index_grid
 
 __all__ = ["check_mods"]
 

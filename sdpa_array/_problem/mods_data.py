@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from sdpa_array._compat import (
+from sdpa_array._arrays.compat import (
     array_namespace,
     device,
     host_values,
@@ -28,7 +28,7 @@ from sdpa_array._compat import (
     namespace_name,
 )
 
-from ._arrays import inplace
+from .._arrays import inplace
 
 __all__ = [
     "AlibiMod",

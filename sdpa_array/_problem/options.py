@@ -2,7 +2,7 @@
 
 The public functions keep their keyword signatures (users and type checkers see every
 option) and turn them into one :class:`Options` record at once; validation
-(:func:`~sdpa_array._problem.validate`) and everything below take the record, never the
+(:func:`~sdpa_array._problem.problem.validate`) and everything below take the record, never the
 options one by one. A new option is a new field here, with its default; its meaning is
 documented on :func:`sdpa_array.scaled_dot_product_attention`.
 """
@@ -15,7 +15,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-from ._typing import Alignment, Array, BiasMod, MaskMod
+from .._arrays.typing import Alignment, Array, BiasMod, MaskMod
 
 __all__ = ["Options", "check_dropout"]
 
@@ -23,7 +23,7 @@ __all__ = ["Options", "check_dropout"]
 @dataclass(frozen=True, eq=False)
 class Options:
     """The 16 options of an attention call, as given (validation happens once, in
-    :func:`~sdpa_array._problem.validate`, which turns them into a ``Problem``).
+    :func:`~sdpa_array._problem.problem.validate`, which turns them into a ``Problem``).
 
     Attributes
     ----------

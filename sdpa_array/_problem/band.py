@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from ._typing import Array
+from .._arrays.typing import Array
 
 __all__ = ["Band", "window_bounds"]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ._compat import array_namespace, device, host_values, is_array_api_obj
-from ._typing import Array
+from .._arrays.compat import array_namespace, device, host_values, is_array_api_obj
+from .._arrays.typing import Array
 
 __all__ = ["Lengths", "Segments", "check_lengths", "check_segments", "zero_past"]
 

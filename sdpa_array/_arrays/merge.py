@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from ._compat import array_namespace, device
-from ._typing import Array
+from .compat import array_namespace, device
+from .typing import Array
 
 __all__ = ["merge_attention_states"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._kernels.triton.decoding import triton_decode
-from .._typing import Array
+from ..._arrays.typing import Array
+from ..._kernels.triton.decoding import triton_decode
 from .args import CacheCall, check_call
 from .chunks import attend_chunks
 from .decode import decode_call
@@ -138,7 +138,7 @@ def attention_with_kv_cache(
     Examples
     --------
     >>> import numpy as np
-    >>> from sdpa_array._kv_cache import attention_with_kv_cache
+    >>> from sdpa_array._api.kv_cache import attention_with_kv_cache
     >>> k_cache = np.zeros((1, 1, 4, 2))  # B=1, Hkv=1, S_max=4, E=2
     >>> v_cache = np.zeros((1, 1, 4, 1))
     >>> k_cache[0, 0, :2] = [[1.0, 0.0], [0.0, 1.0]]  # two tokens already cached

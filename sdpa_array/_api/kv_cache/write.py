@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .._typing import Array
+from ..._arrays.typing import Array
 from .args import CacheCall
 
 __all__ = ["write_tokens"]

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._kernels.triton.decoding import DecodeCall, decode_reason
-from .._kernels.triton.plan import CannotUseTritonError, plan_triton
-from .._problem import Inputs
-from .._typing import Array
+from ..._arrays.typing import Array
+from ..._kernels.triton.decoding import DecodeCall, decode_reason
+from ..._kernels.triton.plan import CannotUseTritonError, plan_triton
+from ..._problem.problem import Inputs
 from .args import CacheCall
 
 __all__ = ["decode_call"]

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from ._compat import device, host_values
-from ._mod_calls import call_mod, check_mod_callable, index_grid
-from ._mods_data import check_index
-from ._typing import Array
+from .._arrays.compat import device, host_values
+from .._arrays.typing import Array
+from .mod_calls import call_mod, check_mod_callable, index_grid
+from .mods_data import check_index
 
 __all__ = [
     "BLOCK_MASK_BLOCK",

@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from ._band import Band, window_bounds
-from ._compat import array_namespace, device, is_array_api_obj, known_value, on_gpu
-from ._mod_args import check_mods
-from ._options import Options, check_dropout
-from ._sequences import Lengths, Segments, check_lengths, check_segments, zero_past
-from ._typing import Array
+from .._arrays.compat import array_namespace, device, is_array_api_obj, known_value, on_gpu
+from .._arrays.typing import Array
+from .band import Band, window_bounds
+from .mod_args import check_mods
+from .options import Options, check_dropout
+from .sequences import Lengths, Segments, check_lengths, check_segments, zero_past
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -107,7 +107,7 @@ class Problem:
     def without_padding(self, rows: Array, *, keys: bool = False, features: bool = True) -> Array:
         """``rows`` (query-shaped, or key-shaped with ``keys``; without the feature axis
         when not ``features``) with the rows past the sequences' lengths set to zero
-        (:func:`~sdpa_array._sequences.zero_past`; unchanged without lengths)."""
+        (:func:`~sdpa_array._problem.sequences.zero_past`; unchanged without lengths)."""
         lengths, n = (self.key_lengths, self.S) if keys else (self.query_lengths, self.L)
         heads = len(self.batch_shape) - len(self.sequence_batch)
         return zero_past(self.xp, rows, lengths, n, heads=heads, features=features)
@@ -185,7 +185,7 @@ class Inputs:
 
     def without_padding(self, p: Problem) -> Inputs:
         """The inputs with the query rows past ``query_lengths`` and the key and value rows
-        past ``key_lengths`` set to zero (:func:`~sdpa_array._sequences.zero_past`)."""
+        past ``key_lengths`` set to zero (:func:`~sdpa_array._problem.sequences.zero_past`)."""
         if p.query_lengths is None and p.key_lengths is None:
             return self
         q = p.without_padding(self.query)
@@ -368,7 +368,7 @@ def validate(query: Any, key: Any, value: Any, options: Options) -> Problem:
         can be read: not on lazy Dask arrays, JAX tracers or GPU arrays); the message names
         both. Also ``dropout_p`` outside ``[0, 1)``, or above 0 without ``dropout_seed``. A
         ``mask_mod``/``bias_mod`` that is not callable, or that raises or returns a wrong
-        result on a probe index (see :mod:`sdpa_array._mod_args`).
+        result on a probe index (see :mod:`sdpa_array._problem.mod_args`).
     """
     o = options
     mask, bias, sinks, window, alignment = o.mask, o.bias, o.sinks, o.window, o.alignment

@@ -1,19 +1,20 @@
 """The public VJP entry point: validate, choose, run the backward kernel, finish.
 
-It reads like the forward (:mod:`sdpa_array._api`): :func:`~sdpa_array._problem.validate`
-checks every argument before any array work, :func:`~sdpa_array._dispatch.choose` picks the
-backward implementation from the same table, and :mod:`sdpa_array._kernels.result` casts and sums
-the gradients back to the inputs' shapes.
+It reads like the forward (:mod:`sdpa_array._api.forward`):
+:func:`~sdpa_array._problem.problem.validate` checks every argument before any array work,
+:func:`~sdpa_array._plan.dispatch.choose` picks the backward implementation from the same
+table, and :mod:`sdpa_array._kernels.result` casts and sums the gradients back to the
+inputs' shapes.
 """
 
 from __future__ import annotations
 
-from ._compat import array_namespace
-from ._kernels.result import finish_gradients, zero_gradients
-from ._options import Options
-from ._plan import plan_vjp
-from ._problem import Problem, validate
-from ._typing import Alignment, Array, BiasMod, MaskMod, VJPImplementationName
+from .._arrays.compat import array_namespace
+from .._arrays.typing import Alignment, Array, BiasMod, MaskMod, VJPImplementationName
+from .._kernels.result import finish_gradients, zero_gradients
+from .._plan.plan import plan_vjp
+from .._problem.options import Options
+from .._problem.problem import Problem, validate
 
 __all__ = ["scaled_dot_product_attention_vjp"]
 

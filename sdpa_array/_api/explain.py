@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ._kernels.native import plan_native_vjp
-from ._options import Options
-from ._plan import Outputs, plan_forward, plan_vjp
-from ._typing import Array
+from .._arrays.typing import Array
+from .._kernels.native import plan_native_vjp
+from .._plan.plan import Outputs, plan_forward, plan_vjp
+from .._problem.options import Options
 
 __all__ = ["Explanation", "explain"]
 
