@@ -124,7 +124,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Build the Sphinx site with warnings as errors."""
+    """Build the Sphinx site with warnings as errors (torch for the page of
+    ``sdpa_array.MultiheadAttention``, a torch module)."""
+    session.install(TORCH)
     session.install("-e", ".[docs,plot,test]")
     session.run(
         "sphinx-build",

@@ -19,6 +19,7 @@ from . import mods
 from ._api.explain import Explanation, explain
 from ._api.forward import scaled_dot_product_attention
 from ._api.kv_cache import attention_with_kv_cache
+from ._api.multi_head import multi_head_attention
 from ._api.vjp import scaled_dot_product_attention_vjp
 from ._arrays.merge import merge_attention_states
 from ._arrays.parallel import get_num_threads, set_num_threads
@@ -39,6 +40,7 @@ __all__ = [
     "get_num_threads",
     "merge_attention_states",
     "mods",
+    "multi_head_attention",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_vjp",
     "set_num_threads",
@@ -46,6 +48,17 @@ __all__ = [
 
 CannotDelegateError.__module__ = __name__  # shown as sdpa_array.CannotDelegateError
 CannotUseTritonError.__module__ = __name__
+
+
+def __getattr__(name: str) -> object:
+    """``MultiheadAttention``, the drop-in for ``torch.nn.MultiheadAttention``, imported on
+    first use: torch is optional, and importing sdpa_array imports none of it."""
+    if name == "MultiheadAttention":
+        from ._api.torch_module import MultiheadAttention
+
+        return MultiheadAttention
+    raise AttributeError(f"module 'sdpa_array' has no attribute {name!r}")
+
 
 try:
     __version__ = version("sdpa_array")
