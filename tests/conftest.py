@@ -257,3 +257,13 @@ def _free_gpu_memory_pools():
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_jax_eager_programs():
+    """Start each test without the compiled programs of eager JAX calls
+    (:mod:`sdpa_array._api.jax_eager`): a test that spies on the kernels then sees its
+    first call traced, whatever earlier tests compiled."""
+    from sdpa_array._api import jax_eager
+
+    jax_eager.clear_compiled()

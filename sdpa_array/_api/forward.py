@@ -17,6 +17,8 @@ from .._kernels.result import empty_result, finalize
 from .._plan import autograd as _autograd
 from .._plan.plan import Outputs, plan_forward
 from .._problem.options import Options
+from .._problem.problem import validate
+from .jax_eager import eager_jax, run_jitted
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -373,8 +375,20 @@ def scaled_dot_product_attention(
         bias_mod=bias_mod,
     )
     outputs = Outputs.of(return_weights, return_lse)
-    plan = plan_forward(query, key, value, options, outputs, implementation, (block_q, block_k))
-    p, flags = plan.problem, {"return_weights": outputs.weights, "return_lse": outputs.lse}
+    flags = {"return_weights": outputs.weights, "return_lse": outputs.lse}
+    problem = None
+    if eager_jax([query, key, value]):  # compiled whole, once per setup (after the checks)
+        problem = validate(query, key, value, options)
+        if problem.L and problem.S:
+            calls = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
+            keywords = {**options.keywords(), **flags, **calls}
+            done, result = run_jitted(scaled_dot_product_attention, (query, key, value), keywords)
+            if done:
+                return result
+    plan = plan_forward(
+        query, key, value, options, outputs, implementation, (block_q, block_k), problem=problem
+    )
+    p = plan.problem
     if plan.empty:
         result = empty_result(p)
     else:

@@ -15,6 +15,7 @@ from .._kernels.result import finish_gradients, zero_gradients
 from .._plan.plan import plan_vjp
 from .._problem.options import Options
 from .._problem.problem import Problem, validate
+from .jax_eager import eager_jax, run_jitted
 
 __all__ = ["scaled_dot_product_attention_vjp"]
 
@@ -186,6 +187,15 @@ def scaled_dot_product_attention_vjp(
     )
     p = validate(query, key, value, options)
     _check_grad_output(p, query, grad_output)
+    if p.L and p.S and eager_jax([query, key, value, grad_output]):  # compiled whole
+        calls = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
+        done, result = run_jitted(
+            scaled_dot_product_attention_vjp,
+            (query, key, value, grad_output),
+            {**options.keywords(), **calls},
+        )
+        if done:
+            return result  # type: ignore[no-any-return]
     plan = plan_vjp(query, key, value, options, implementation, (block_q, block_k), problem=p)
     if plan.empty:  # nothing reaches the output: every gradient is zero
         return zero_gradients(p, plan.inputs)

@@ -70,9 +70,12 @@ def plan_forward(
     outputs: Outputs,
     implementation: str,
     blocks: tuple[int | None, int | None],
+    *,
+    problem: Problem | None = None,
 ) -> Plan:
-    """Validate a forward call and choose what computes it."""
-    p = validate(query, key, value, options)
+    """Validate a forward call (or take its ``problem``, already validated) and choose what
+    computes it."""
+    p = validate(query, key, value, options) if problem is None else problem
     x = Inputs.of(query, key, value, options, p)
     request = Request(x, outputs.weights, outputs.lse)
     return Plan(p, x, outputs, choose(p, implementation, blocks, request=request))

@@ -70,6 +70,11 @@ class Options:
         """A copy with ``changes``."""
         return dataclasses.replace(self, **changes)
 
+    def keywords(self) -> dict[str, Any]:
+        """The options as the public functions' keyword arguments (the values themselves,
+        not copies)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
 
 #: The options' names.
 NAMES = frozenset(field.name for field in dataclasses.fields(Options))

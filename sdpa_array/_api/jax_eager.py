@@ -1,0 +1,111 @@
+"""Repeated eager JAX calls compiled whole: ``jax.jit`` around the public function, cached.
+
+An eager call on JAX arrays (concrete values, outside any JAX transformation) runs every
+operation of the kernels one at a time, each dispatched from Python: a blocked call of a
+few hundred tiles costs hundreds of dispatches. The first call of a setup (shapes, dtypes,
+the options that are not arrays) runs that way; from the second on, :func:`run_jitted`
+traces the public function under ``jax.jit`` once and reuses the compiled program, so a
+call repeated in a loop costs about what a jitted one does, while a one-off call never
+waits for a compilation (which takes longer than running the operations once when the
+call has many tiles). The call is validated eagerly first, so bad input still gets its
+error before any work.
+
+Not compiled (run as they are): calls with dropout (each new seed would compile a new
+program; the seed is a Python int), calls whose static options cannot be hashed (a mask
+or bias function holding unhashable data), and every call when
+``SDPA_ARRAY_JAX_EAGER_JIT=0``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["ENVIRONMENT_VARIABLE", "clear_compiled", "eager_jax", "run_jitted"]
+
+#: Set to ``0`` to run eager JAX calls operation by operation.
+ENVIRONMENT_VARIABLE = "SDPA_ARRAY_JAX_EAGER_JIT"
+
+
+def _enabled() -> bool:
+    return os.environ.get(ENVIRONMENT_VARIABLE, "1").strip() not in ("0", "false", "no", "off")
+
+
+def eager_jax(arrays: list[Any]) -> bool:
+    """Whether ``arrays`` (the call's arrays, ``None`` skipped) are concrete JAX arrays, none
+    a tracer: an eager JAX call, which :func:`run_jitted` compiles."""
+    present = [a for a in arrays if a is not None]
+    if not present or not _enabled():
+        return False
+    if type(present[0]).__module__.split(".")[0] not in ("jax", "jaxlib"):
+        return False
+    jax = importlib.import_module("jax")
+    return all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in present)
+
+
+def _is_array(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+@functools.lru_cache(maxsize=128)
+def _compiled(function: Callable[..., Any], static: tuple[tuple[str, Any], ...]) -> Any:
+    jax = importlib.import_module("jax")
+    fixed = dict(static)
+
+    def call(positional: tuple[Any, ...], dynamic: dict[str, Any]) -> Any:
+        return function(*positional, **fixed, **dynamic)
+
+    return jax.jit(call)
+
+
+#: The setups called once so far (their second call compiles).
+_SEEN: set[Any] = set()
+
+
+def clear_compiled() -> None:
+    """Forget every setup and compiled program (the next call of each runs op by op)."""
+    _SEEN.clear()
+    _compiled.cache_clear()
+
+
+def _signature(value: Any) -> Any:
+    leaves = value if isinstance(value, tuple) else (value,)
+    return tuple((tuple(v.shape), str(v.dtype)) for v in leaves)
+
+
+def run_jitted(
+    function: Callable[..., Any], positional: tuple[Any, ...], keywords: dict[str, Any]
+) -> tuple[bool, Any]:
+    """``(True, function(*positional, **keywords))`` computed by a cached ``jax.jit`` of
+    ``function`` over the array arguments, or ``(False, None)`` where the call is not
+    compiled: the first call of its setup, and the calls of the module docstring. Keywords
+    holding arrays (a tuple of arrays, for ``segment_ids``) are traced; the others are
+    static."""
+    if keywords.get("dropout_p"):
+        return False, None
+    dynamic: dict[str, Any] = {}
+    static: list[tuple[str, Any]] = []
+    for name, value in keywords.items():
+        leaves = value if isinstance(value, tuple) else (value,)
+        if any(_is_array(v) for v in leaves):
+            dynamic[name] = value
+        else:
+            static.append((name, value))
+    key = tuple(sorted(static, key=lambda item: item[0]))
+    setup = (
+        function,
+        key,
+        _signature(positional),
+        tuple(sorted((n, _signature(v)) for n, v in dynamic.items())),
+    )
+    try:
+        hash(setup)
+    except TypeError:
+        return False, None
+    if setup not in _SEEN:
+        _SEEN.add(setup)
+        return False, None
+    return True, _compiled(function, key)(positional, dynamic)
