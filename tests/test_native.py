@@ -44,6 +44,7 @@ TORCH_CPU_FLASH = "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu"
 TORCH_CUDNN = "torch.ops.aten._scaled_dot_product_cudnn_attention"
 TORCH_EFFICIENT = "torch.ops.aten._scaled_dot_product_efficient_attention"
 JAX = "jax.nn.dot_product_attention"
+CUDNN_KERNEL = "jax.nn.dot_product_attention[cudnn]"
 
 
 def randn(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -140,6 +141,10 @@ def test_which_calls_delegate(
     backend, dtype = native_backend_dtype
     expected = torch_k if backend.library == "torch" else jax_k
     result = plan(backend, dtype, q_shape, k_shape, v_shape, mask_shape, bias_shape, **options)
+    half = dtype in ("float16", "bfloat16")
+    plain = mask_shape is None and bias_shape is None
+    if expected == JAX and backend.device == "cuda" and half and plain:  # cuDNN's route
+        expected = JAX if result.builds_mask else CUDNN_KERNEL
     if expected is None:
         assert isinstance(result, CannotDelegateError), f"delegated to {result}"
         assert isinstance(result, ValueError)
@@ -531,3 +536,27 @@ def test_a_call_plans_its_native_kernel_once(native_backend, monkeypatch, implem
     q = native_backend.asarray(np.zeros((2, 4, 3)), "float32")
     sdpa_array.scaled_dot_product_attention(q, q, q, implementation=implementation)
     assert plans == [TORCH_PUBLIC if native_backend.library == "torch" else JAX]
+
+
+def test_jax_asks_for_cudnn_on_a_gpu_where_it_applies():
+    """The rule of JAX's cuDNN route (:func:`~sdpa_array._kernels.native.jax_kernel.
+    cudnn_reason`), on problems as a GPU call would have them: float16 and bfloat16 without
+    terms or the log-sum-exp, head dims that are multiples of 8 up to 128."""
+    from dataclasses import replace
+
+    from sdpa_array._kernels.native.jax_kernel import CUDNN_MAX_HEAD_DIM, cudnn_reason
+
+    def problem(dtype: str, E: int = 64, on_gpu: bool = True):
+        q = np.zeros((1, 2, 4, E), dtype=dtype)
+        return replace(validate(q, q, q, Options()), on_gpu=on_gpu)
+
+    assert cudnn_reason(problem("float16"), False, False) is None
+    assert cudnn_reason(problem("float16", CUDNN_MAX_HEAD_DIM), False, False) is None
+    assert "not on a GPU" in cudnn_reason(problem("float16", on_gpu=False), False, False)
+    assert "float16 or bfloat16" in cudnn_reason(problem("float32"), False, False)
+    assert "mask or bias" in cudnn_reason(problem("float16"), True, False)
+    assert "log-sum-exp" in cudnn_reason(problem("float16"), False, True)
+    assert "multiples of 8" in cudnn_reason(problem("float16", 12), False, False)
+    assert "multiples of 8" in cudnn_reason(
+        problem("float16", 2 * CUDNN_MAX_HEAD_DIM), False, False
+    )
