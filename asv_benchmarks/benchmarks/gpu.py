@@ -181,3 +181,70 @@ class GPUVJP(_Tracks):
     params = (GPU_BACKENDS, VJP_IMPLEMENTATIONS, GPU_DTYPES, GPU_SHAPES)
     param_names: ClassVar[list[str]] = ["backend", "implementation", "dtype", "shape"]
     timeout = 600
+
+
+#: Decoding shapes: ``B x Hq x Hkv x tokens x E``, paged in pages of 256 tokens.
+DECODE_SHAPES = ["1x32x8x32768x128", "4x32x8x8192x128"] if PROFILE == "gpu" else ["1x8x2x1024x64"]
+
+
+@functools.cache
+def _measure_decode(backend_id: str, dtype: str, shape_text: str) -> dict:
+    """One decoding step (``attention_with_kv_cache``, paged) interleaved with a
+    device-to-device copy of as many bytes as it reads: the bandwidth limit of the call."""
+    import numpy as np
+
+    from sdpa_array import attention_with_kv_cache
+
+    backend = backend_for(backend_id, dtype)
+    B, Hq, Hkv, n, E = (int(x) for x in shape_text.split("x"))
+    page = 256
+    pages = B * -(-n // page)
+    rng = np.random.default_rng(0)
+    q = backend.asarray(rng.standard_normal((B, Hq, 1, E)), dtype)
+    kc, vc = (backend.asarray(rng.standard_normal((pages, Hkv, page, E)), dtype) for _ in "kv")
+    table = backend.asarray(rng.permutation(pages).reshape(B, -1).astype(np.int32))
+    buffer = backend.asarray(np.zeros(2 * B * Hkv * n * E), dtype)
+    target = backend.asarray(np.zeros(2 * B * Hkv * n * E), dtype)
+    xp = backend.namespace()
+    read_bytes = 2 * B * Hkv * n * E * int(xp.finfo(q.dtype).bits) // 8
+
+    def ours() -> Any:
+        return attention_with_kv_cache(
+            q, kc, vc, cache_lengths=[n] * B, block_table=table, enable_gqa=True
+        )[0]
+
+    def copy() -> Any:
+        if backend.library == "torch":
+            return target.copy_(buffer)
+        target[...] = buffer
+        return target
+
+    candidates = {"ours": ours, "copy": copy}
+    for fn in candidates.values():
+        backend.synchronize(_queued(fn)())
+    queued = {name: _queued(fn) for name, fn in candidates.items()}
+    rounds = interleaved_times(queued, backend.synchronize, ROUNDS, warmup=0)
+    medians = {name: statistics.median(times) / REPS for name, times in rounds.items()}
+    return {"bytes": read_bytes, **medians}
+
+
+class GPUDecode:
+    """One decoding step on a paged cache against the device-to-device copy bandwidth
+    measured in the same run (issue 24's decode target: 0.7 of it)."""
+
+    params = (GPU_BACKENDS, ["float16"], DECODE_SHAPES)
+    param_names: ClassVar[list[str]] = ["backend", "dtype", "shape"]
+    timeout = 600
+
+    def setup(self, backend_id: str, dtype: str, shape_text: str) -> None:
+        try:
+            self.m = _measure_decode(backend_id, dtype, shape_text)
+        except (CannotUseTritonError, CannotDelegateError) as exc:
+            raise NotImplementedError(str(exc)) from exc
+
+    def track_bandwidth_fraction(self, *params: str) -> float:
+        copy_bandwidth = 2 * self.m["bytes"] / self.m["copy"]  # read and written
+        return self.m["bytes"] / self.m["ours"] / copy_bandwidth
+
+    def track_milliseconds(self, *params: str) -> float:
+        return self.m["ours"] * 1e3
