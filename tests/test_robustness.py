@@ -182,6 +182,25 @@ CALLS: dict[str, tuple[Callable[..., Any], tuple[str, ...], dict[str, Any]]] = {
         ("seed", "shape", "dropout_p"),
         {"seed": 1, "shape": (2, 2, 5, 6), "dropout_p": 0.5, "xp": None, "device": None},
     ),
+    "multi_head_attention": (
+        sdpa_array.multi_head_attention,
+        ("query", "key", "value", "params"),
+        {
+            "query": Q[0],
+            "key": K[0],
+            "value": K[0],
+            "params": {
+                "q_weight": RNG.standard_normal((4, 4)),
+                "k_weight": RNG.standard_normal((4, 4)),
+                "v_weight": RNG.standard_normal((4, 4)),
+                "out_weight": RNG.standard_normal((4, 4)),
+            },
+            "num_heads": 2,
+            "num_kv_heads": None,
+            "add_zero_attn": False,
+            "is_causal": False,
+        },
+    ),
     "causal": (mods.causal, (), {"offset": 0}),
     "sliding_window": (mods.sliding_window, ("left", "right"), {"left": 2, "right": 0}),
     "prefix_lm": (mods.prefix_lm, ("prefix_lengths",), {"prefix_lengths": [2, 3]}),
@@ -306,6 +325,7 @@ ARRAY_CALLS = (
     "explain",
     "attention_with_kv_cache",
     "merge_attention_states",
+    "multi_head_attention",
 )
 
 
@@ -314,6 +334,8 @@ def _on(backend: Any, value: Any) -> Any:
         return backend.asarray(value, "float32")
     if isinstance(value, list) and value and isinstance(value[0], np.ndarray):
         return [_on(backend, v) for v in value]
+    if isinstance(value, dict):  # multi_head_attention's params
+        return {name: _on(backend, v) for name, v in value.items()}
     return value
 
 

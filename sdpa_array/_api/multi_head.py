@@ -13,6 +13,7 @@ from typing import Any
 
 from .._arrays.compat import array_namespace, device
 from .._arrays.typing import Array
+from .._problem.problem import check_flag
 from .forward import scaled_dot_product_attention
 
 __all__ = ["PARAMETER_NAMES", "multi_head_attention"]
@@ -48,6 +49,10 @@ def _check(
     for name in _REQUIRED:
         if params.get(name) is None:
             raise ValueError(f"params[{name!r}] is required")
+    for name, x in (("query", query), ("key", key), ("value", value), *params.items()):
+        if x is not None and not (hasattr(x, "shape") and hasattr(x, "ndim")):
+            label = name if name in ("query", "key", "value") else f"params[{name!r}]"
+            raise TypeError(f"{label} must be an array, got {type(x).__name__}")
     for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{name} must be a positive int, got {n!r}")
@@ -59,16 +64,17 @@ def _check(
         if x.ndim < 2:
             raise ValueError(f"{name} must be (..., length, features), got shape {x.shape}")
     shapes = {n: tuple(params[n].shape) for n in PARAMETER_NAMES if params.get(n) is not None}
-    for name, x, heads in (
-        ("q_weight", query, num_heads),
-        ("k_weight", key, num_kv_heads),
-        ("v_weight", value, num_kv_heads),
+    for name, x, heads, what in (
+        ("q_weight", query, ("num_heads", num_heads), "query"),
+        ("k_weight", key, ("num_kv_heads", num_kv_heads), "key"),
+        ("v_weight", value, ("num_kv_heads", num_kv_heads), "value"),
     ):
         shape = shapes[name]
-        if len(shape) != 2 or shape[1] != x.shape[-1] or shape[0] % heads:
+        if len(shape) != 2 or shape[1] != x.shape[-1] or shape[0] % heads[1]:
             raise ValueError(
                 f"params[{name!r}] must be (heads * head_dim, {x.shape[-1]}) with a multiple of "
-                f"{heads} rows, got {shape}"
+                f"{heads[0]} = {heads[1]} rows to project {what} of shape {tuple(x.shape)}, "
+                f"got {shape}"
             )
     if shapes["q_weight"][0] // num_heads != shapes["k_weight"][0] // num_kv_heads:
         raise ValueError(
@@ -192,9 +198,14 @@ def multi_head_attention(
     >>> multi_head_attention(x, x, x, params, num_heads=2, is_causal=True).shape
     (2, 5, 8)
     """
-    xp = array_namespace({"query": query, "key": key, "value": value})
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x is None:
+            raise TypeError(f"{name} must be an array, got None")
+    check_flag("add_zero_attn", add_zero_attn)
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _check(query, key, value, params, num_heads, kv_heads)
+    given = {f"params[{n!r}]": v for n, v in params.items() if v is not None}
+    xp = array_namespace({"query": query, "key": key, "value": value, **given})
     p = {n: params.get(n) for n in PARAMETER_NAMES}
     q = _linear(xp, query, p["q_weight"], p["q_bias"])
     k = _linear(xp, key, p["k_weight"], p["k_bias"])
