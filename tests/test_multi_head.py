@@ -111,7 +111,7 @@ def test_functional_layer_returns_the_weights_and_checks_its_arguments():
         multi_head_attention(x, x, x, {**p, "in_proj": p["q_weight"]}, num_heads=2)
     with pytest.raises(ValueError, match="num_heads must be a positive int"):
         multi_head_attention(x, x, x, p, num_heads=0)
-    with pytest.raises(ValueError, match="multiple of 3 rows"):
+    with pytest.raises(ValueError, match="multiple of num_heads = 3 rows"):
         multi_head_attention(x, x, x, p, num_heads=3)
     with pytest.raises(ValueError, match="q_bias"):
         multi_head_attention(x, x, x, {**p, "q_bias": p["q_bias"][:3]}, num_heads=2)
