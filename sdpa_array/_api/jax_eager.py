@@ -1,14 +1,15 @@
-"""Repeated eager JAX calls compiled whole: ``jax.jit`` around the public function, cached.
+"""Eager JAX calls compiled whole: ``jax.jit`` around the public function, cached.
 
-An eager call on JAX arrays (concrete values, outside any JAX transformation) runs every
-operation of the kernels one at a time, each dispatched from Python: a blocked call of a
-few hundred tiles costs hundreds of dispatches. The first call of a setup (shapes, dtypes,
-the options that are not arrays) runs that way; from the second on, :func:`run_jitted`
-traces the public function under ``jax.jit`` once and reuses the compiled program, so a
-call repeated in a loop costs about what a jitted one does, while a one-off call never
-waits for a compilation (which takes longer than running the operations once when the
-call has many tiles). The call is validated eagerly first, so bad input still gets its
-error before any work.
+An eager call on JAX arrays (concrete values, outside any JAX transformation) would run
+every operation of the kernels one at a time, each dispatched from Python: a blocked call
+of a few hundred tiles costs hundreds of dispatches. :func:`run_jitted` instead traces the
+public function under ``jax.jit`` once per setup (shapes, dtypes, the options that are not
+arrays) and reuses the compiled program, so an eager call costs about what a jitted one
+does, compilation included: the first call of a setup compiles, as the caller's own
+``jax.jit`` would. Every call of a setup runs the same program, so repeated calls give
+bit-identical results (XLA's fused program may round differently from the operations run
+one at a time). The call is validated eagerly first, so bad input still gets its error
+before any work.
 
 Not compiled (run as they are): calls with dropout (each new seed would compile a new
 program; the seed is a Python int), calls whose static options cannot be hashed (a mask
@@ -61,19 +62,9 @@ def _compiled(function: Callable[..., Any], static: tuple[tuple[str, Any], ...])
     return jax.jit(call)
 
 
-#: The setups called once so far (their second call compiles).
-_SEEN: set[Any] = set()
-
-
 def clear_compiled() -> None:
-    """Forget every setup and compiled program (the next call of each runs op by op)."""
-    _SEEN.clear()
+    """Forget every compiled program (the next call of each setup traces again)."""
     _compiled.cache_clear()
-
-
-def _signature(value: Any) -> Any:
-    leaves = value if isinstance(value, tuple) else (value,)
-    return tuple((tuple(v.shape), str(v.dtype)) for v in leaves)
 
 
 def run_jitted(
@@ -81,9 +72,8 @@ def run_jitted(
 ) -> tuple[bool, Any]:
     """``(True, function(*positional, **keywords))`` computed by a cached ``jax.jit`` of
     ``function`` over the array arguments, or ``(False, None)`` where the call is not
-    compiled: the first call of its setup, and the calls of the module docstring. Keywords
-    holding arrays (a tuple of arrays, for ``segment_ids``) are traced; the others are
-    static."""
+    compiled (see the module docstring). Keywords holding arrays (a tuple of arrays, for
+    ``segment_ids``) are traced; the others are static."""
     if keywords.get("dropout_p"):
         return False, None
     dynamic: dict[str, Any] = {}
@@ -95,17 +85,8 @@ def run_jitted(
         else:
             static.append((name, value))
     key = tuple(sorted(static, key=lambda item: item[0]))
-    setup = (
-        function,
-        key,
-        _signature(positional),
-        tuple(sorted((n, _signature(v)) for n, v in dynamic.items())),
-    )
     try:
-        hash(setup)
+        hash(key)
     except TypeError:
-        return False, None
-    if setup not in _SEEN:
-        _SEEN.add(setup)
         return False, None
     return True, _compiled(function, key)(positional, dynamic)

@@ -353,6 +353,58 @@ def _batch_shape(
     return batch, hq, hk, 1
 
 
+def _namespace(query: Any, key: Any, value: Any, o: Options) -> ModuleType:
+    """The arrays' library, once every array is there, of one library, at least 2-D and of
+    dtypes that fit together."""
+    for name, arr in (("query", query), ("key", key), ("value", value)):
+        if arr is None:
+            raise TypeError(
+                f"{name} must be an array (NumPy, CuPy, torch, JAX, Dask or array-api-strict), "
+                "got None"
+            )
+    named = {"query": query, "key": key, "value": value, "mask": o.mask, "bias": o.bias}
+    xp = array_namespace({**named, "sinks": o.sinks})
+    for name, arr in (("query", query), ("key", key), ("value", value)):
+        if arr.ndim < 2:
+            raise ValueError(
+                f"{name} must have at least 2 dimensions (..., length, features), "
+                f"got shape {tuple(arr.shape)}"
+            )
+    _check_dtypes(xp, query, key, value, o.mask, o.bias)
+    return xp
+
+
+def _sizes(query: Any, key: Any, value: Any) -> tuple[int, int, int, int]:
+    """``(L, S, E, Ev)``, once the queries' and keys' feature sizes and the keys' and
+    values' lengths agree."""
+    L, E = int(query.shape[-2]), int(query.shape[-1])
+    S, E_key = int(key.shape[-2]), int(key.shape[-1])
+    S_value, Ev = int(value.shape[-2]), int(value.shape[-1])
+    if E_key != E:
+        raise ValueError(
+            f"query and key must have the same feature size E, got query {tuple(query.shape)} "
+            f"(E={E}) and key {tuple(key.shape)} (E={E_key})"
+        )
+    if S_value != S:
+        raise ValueError(
+            f"key and value must have the same length S, got key {tuple(key.shape)} (S={S}) "
+            f"and value {tuple(value.shape)} (S={S_value})"
+        )
+    return L, S, E, Ev
+
+
+def _check_terms(o: Options, score_shape: tuple[int, ...]) -> None:
+    """``mask`` and ``bias`` broadcast to the scores' shape."""
+    for name, arr in (("mask", o.mask), ("bias", o.bias)):
+        if arr is None:
+            continue
+        if _broadcast(tuple(arr.shape), score_shape) != score_shape:
+            raise ValueError(
+                f"{name} of shape {tuple(arr.shape)} does not broadcast to the attention scores' "
+                f"shape (..., Hq, L, S) = {score_shape}"
+            )
+
+
 def validate(query: Any, key: Any, value: Any, options: Options) -> Problem:
     """Check every argument and return the :class:`Problem` they describe.
 
@@ -371,54 +423,16 @@ def validate(query: Any, key: Any, value: Any, options: Options) -> Problem:
         result on a probe index (see :mod:`sdpa_array._problem.mod_args`).
     """
     o = options
-    mask, bias, sinks, window, alignment = o.mask, o.bias, o.sinks, o.window, o.alignment
-    is_causal, enable_gqa = o.is_causal, o.enable_gqa
-    for name, arr in (("query", query), ("key", key), ("value", value)):
-        if arr is None:
-            raise TypeError(
-                f"{name} must be an array (NumPy, CuPy, torch, JAX, Dask or array-api-strict), "
-                "got None"
-            )
-    named = {"query": query, "key": key, "value": value, "mask": mask, "bias": bias}
-    xp = array_namespace({**named, "sinks": sinks})
-    for name, arr in (("query", query), ("key", key), ("value", value)):
-        if arr.ndim < 2:
-            raise ValueError(
-                f"{name} must have at least 2 dimensions (..., length, features), "
-                f"got shape {tuple(arr.shape)}"
-            )
-    _check_dtypes(xp, query, key, value, mask, bias)
-    check_flag("is_causal", is_causal)
-    check_flag("enable_gqa", enable_gqa)
-    if not isinstance(alignment, str) or alignment not in ALIGNMENTS:
-        raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
-    sides = _window(window)
-
-    L, E = int(query.shape[-2]), int(query.shape[-1])
-    S, E_key = int(key.shape[-2]), int(key.shape[-1])
-    S_value, Ev = int(value.shape[-2]), int(value.shape[-1])
-    if E_key != E:
-        raise ValueError(
-            f"query and key must have the same feature size E, got query {tuple(query.shape)} "
-            f"(E={E}) and key {tuple(key.shape)} (E={E_key})"
-        )
-    if S_value != S:
-        raise ValueError(
-            f"key and value must have the same length S, got key {tuple(key.shape)} (S={S}) "
-            f"and value {tuple(value.shape)} (S={S_value})"
-        )
-    batch, hq, hk, groups = _batch_shape(query, key, value, bool(enable_gqa))
-    score_shape = (*batch, L, S)
-    for name, arr in (("mask", mask), ("bias", bias)):
-        if arr is None:
-            continue
-        if _broadcast(tuple(arr.shape), score_shape) != score_shape:
-            raise ValueError(
-                f"{name} of shape {tuple(arr.shape)} does not broadcast to the attention scores' "
-                f"shape (..., Hq, L, S) = {score_shape}"
-            )
-
-    _check_sinks(xp, sinks, batch)
+    xp = _namespace(query, key, value, o)
+    L, S, E, Ev = _sizes(query, key, value)
+    check_flag("is_causal", o.is_causal)
+    check_flag("enable_gqa", o.enable_gqa)
+    if not isinstance(o.alignment, str) or o.alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {o.alignment!r}")
+    sides = _window(o.window)
+    batch, hq, hk, groups = _batch_shape(query, key, value, bool(o.enable_gqa))
+    _check_terms(o, (*batch, L, S))
+    _check_sinks(xp, o.sinks, batch)
     drop_p, drop_seed = check_dropout(o.dropout_p, o.dropout_seed)
     scale_value = _scale(xp, query, o.scale, E)
     softcap_value = None if o.softcap is None else _positive_finite("softcap", o.softcap)
@@ -433,7 +447,7 @@ def validate(query: Any, key: Any, value: Any, options: Options) -> Problem:
 
     dtype = query.dtype
     compute_dtype = dtype if xp.finfo(dtype).bits >= 32 else xp.float32
-    offset = 0 if alignment == "top_left" else S - L
+    offset = 0 if o.alignment == "top_left" else S - L
     left, right = window_bounds(sides, L + S)
     return Problem(
         xp=xp,
@@ -450,13 +464,13 @@ def validate(query: Any, key: Any, value: Any, options: Options) -> Problem:
         groups=groups,
         scale=scale_value,
         softcap=softcap_value,
-        band=Band(L=L, S=S, is_causal=bool(is_causal), left=left, right=right, offset=offset),
-        enable_gqa=bool(enable_gqa),
-        alignment=alignment,
+        band=Band(L=L, S=S, is_causal=bool(o.is_causal), left=left, right=right, offset=offset),
+        enable_gqa=bool(o.enable_gqa),
+        alignment=o.alignment,
         query_lengths=q_lengths,
         key_lengths=k_lengths,
         segments=segments,
-        has_sinks=sinks is not None,
+        has_sinks=o.sinks is not None,
         dropout_p=drop_p,
         dropout_seed=drop_seed,
         mask_mod=mask_fn,
