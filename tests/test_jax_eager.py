@@ -94,15 +94,13 @@ def test_calls_inside_transformations_and_dropout_are_not_compiled_again(compile
     assert_close_to_oracle(out, q, k, v, **dropped)
 
 
-def test_unhashable_static_options_run_as_they_are(compiled):
-    q, k, v, _ = _inputs(2)
-
-    class Unhashable:
-        __hash__ = None  # type: ignore[assignment]
-
-        def __call__(self, b, h, i, j):
-            return j <= i
-
-    out = sdpa_array.scaled_dot_product_attention(q, k, v, mask_mod=Unhashable())
+def test_mask_functions_and_numpy_scalars_keep_their_eager_meaning(compiled):
+    """A mask function runs eagerly (its empty blocks are found on its values and skipped);
+    a NumPy scalar ``scale`` stays a number (no gradient), as in an eager call."""
+    q, k, v, g = _inputs(2)
+    out = sdpa_array.scaled_dot_product_attention(q, k, v, mask_mod=lambda b, h, i, j: j <= i)
     assert compiled == []
     assert_close_to_oracle(out, q, k, v, is_causal=True)
+    grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, scale=np.float32(0.3))
+    assert len(grads) == 3
+    assert len(compiled) == 1

@@ -12,8 +12,9 @@ one at a time). The call is validated eagerly first, so bad input still gets its
 before any work.
 
 Not compiled (run as they are): calls with dropout (each new seed would compile a new
-program; the seed is a Python int), calls whose static options cannot be hashed (a mask
-or bias function holding unhashable data), and every call when
+program; the seed is a Python int), calls with a mask or bias function (run eagerly, its
+blocks are classified on their values and the empty ones skipped, which a trace cannot
+do), calls whose static options cannot be hashed, and every call when
 ``SDPA_ARRAY_JAX_EAGER_JIT=0``.
 """
 
@@ -24,6 +25,8 @@ import importlib
 import os
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 __all__ = ["ENVIRONMENT_VARIABLE", "clear_compiled", "eager_jax", "run_jitted"]
 
@@ -48,6 +51,10 @@ def eager_jax(arrays: list[Any]) -> bool:
 
 
 def _is_array(value: Any) -> bool:
+    """An array argument, traced; NumPy scalars (``np.float32(0.5)`` as ``scale``) and
+    Python numbers stay static, as the call treats them as numbers."""
+    if isinstance(value, np.generic):
+        return False
     return hasattr(value, "shape") and hasattr(value, "dtype")
 
 
@@ -74,7 +81,7 @@ def run_jitted(
     ``function`` over the array arguments, or ``(False, None)`` where the call is not
     compiled (see the module docstring). Keywords holding arrays (a tuple of arrays, for
     ``segment_ids``) are traced; the others are static."""
-    if keywords.get("dropout_p"):
+    if keywords.get("dropout_p") or keywords.get("mask_mod") or keywords.get("bias_mod"):
         return False, None
     dynamic: dict[str, Any] = {}
     static: list[tuple[str, Any]] = []
