@@ -36,22 +36,15 @@ from sdpa_array._kernels.triton.decoding import (
     decode_reason,
     decode_splits,
 )
-from sdpa_array.testing import get_backend
 from sdpa_array.testing.backends import Backend
 from tests.test_kv_cache import CACHED_LENGTHS, HQ, NEW_LENGTHS, make_case, run
 
-BACKENDS = (
-    [get_backend("torch")] if interpreting() else [get_backend("torch:cuda"), get_backend("cupy")]
-)
-BACKENDS = [b for b in BACKENDS if b.is_available()]
-if not BACKENDS:
-    pytest.skip(
-        "the Triton kernels need a CUDA device (or TRITON_INTERPRET=1), absent here",
-        allow_module_level=True,
-    )
-#: bfloat16 only on a GPU (the interpreter multiplies its raw bits).
-DTYPES = ("float16", "float32") if interpreting() else ("float16", "bfloat16", "float32")
-PAIRS = [(b, d) for b in BACKENDS for d in DTYPES if d in b.dtypes]
+# the backends and dtypes the kernels run on here (test_triton.py skips this module too
+# where there are none)
+from tests.test_triton import DTYPES, TRITON_BACKENDS
+
+BACKENDS = TRITON_BACKENDS
+PAIRS = [(b, d) for b in BACKENDS for d in DTYPES[b.id]]
 
 
 @pytest.fixture
