@@ -156,6 +156,10 @@ def _cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                                 f"bwd vjp torch:cuda {impl} {tag}", ours_vjp, peer_bwd, None, fl_b
                             )
                         )
+                if args.features:
+                    out.extend(
+                        _feature_cases(tag, (q, k, v, do), causal, peer_fwd, peer_bwd, fl_f, fl_b)
+                    )
                 del qg, kg, vg, peer_out
                 if cupy is None or dtype_name == "bfloat16":
                     continue
@@ -176,6 +180,62 @@ def _cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                     out.append(
                         _case(f"fwd cupy {impl} {tag}", ours_cupy, peer_fwd, cupy_bare, fl_f)
                     )
+    return out
+
+
+def _feature_kwargs(q: Any) -> dict[str, dict[str, Any]]:
+    """The calls torch has no fused kernel for, each with one feature: sinks (one logit per
+    head), softcap, per-sequence lengths (the last sequence 3/4 long; the work counted as
+    if full) and dropout with a seed."""
+    import torch
+
+    B, H, L, _ = q.shape
+    lengths = torch.full((B,), L, dtype=torch.int32, device=q.device)
+    lengths[-1] = 3 * L // 4
+    return {
+        "sinks": {"sinks": torch.zeros(H, device=q.device, dtype=torch.float32)},
+        "softcap": {"softcap": 30.0},
+        "lengths": {"query_lengths": lengths, "key_lengths": lengths},
+        "dropout": {"dropout_p": 0.1, "dropout_seed": 1234},
+    }
+
+
+def _feature_cases(
+    tag: str,
+    tensors: tuple[Any, ...],
+    causal: bool,
+    peer_fwd: Callable,
+    peer_bwd: Callable,
+    fl_f: float,
+    fl_b: float,
+) -> list[dict[str, Any]]:
+    """Issue 24's feature rows: the Triton kernel with one feature, forward and autograd
+    backward, against torch's fused call without it (ratio target 0.6)."""
+    import torch
+
+    import sdpa_array as sa
+
+    q, k, v, do = tensors
+    out = []
+    for feature, kw in _feature_kwargs(q).items():
+
+        def ours(q=q, k=k, v=v, kw=kw) -> Any:
+            return sa.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, implementation="triton", **kw
+            )
+
+        out.append(_case(f"fwd torch:cuda triton+{feature} {tag}", ours, peer_fwd, None, fl_f))
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        res = sa.scaled_dot_product_attention(
+            qg, kg, vg, is_causal=causal, implementation="triton", **kw
+        )
+
+        def ours_bwd(out=res, qg=qg, kg=kg, vg=vg) -> Any:
+            return torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
+
+        out.append(
+            _case(f"bwd autograd torch:cuda triton+{feature} {tag}", ours_bwd, peer_bwd, None, fl_b)
+        )
     return out
 
 
@@ -261,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cupy-impls", nargs="+", default=["auto", "triton", "blocked"])
     parser.add_argument("--json", help="write the rows and the machine to this file")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument(
+        "--features",
+        action="store_true",
+        help="add the Triton kernel with sinks, softcap, lengths or dropout against plain torch",
+    )
     parser.add_argument("--sync-each", action="store_true", help="synchronise every call (latency)")
     args = parser.parse_args(argv)
     global SYNC_EACH

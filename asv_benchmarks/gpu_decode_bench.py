@@ -9,6 +9,9 @@ keys' and values' bytes over its time) as a fraction of that copy's::
     python asv_benchmarks/gpu_decode_bench.py                 # B=1, Hq=32, Hkv=8, 32768 tokens
     python asv_benchmarks/gpu_decode_bench.py --batch 4 --cache 8192 --json out.json
 
+A row ``decode torch graph`` replays the torch call captured in a CUDA graph (lengths as a
+device tensor), the device's time without the host's per-call Python overhead.
+
 The decode, the copy and torch's SDPA on the same tokens gathered contiguous (a peer that
 needs the gathered copy, which is not timed) are interleaved: ``--rounds`` rounds of
 ``--reps`` queued calls, one synchronisation each, median and min-max over rounds. The
@@ -57,6 +60,27 @@ def _timer(sync: Callable[[], None]) -> Callable[[Callable[[], Any], int], float
         return (time.perf_counter() - t0) / reps
 
     return timed
+
+
+def _captured(step: Callable[[], Any], torch: Any) -> Callable[[], Any] | None:
+    """``step`` captured in a CUDA graph (lengths on the device stay there: no host
+    overhead per call), as ``graph.replay``; ``None``, with the reason printed, where the
+    capture fails. The first capture compiles what it needs; the second is kept."""
+    graph = None
+    try:
+        for _ in range(2):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+    except Exception as exc:  # report and go on with the other rows
+        print(f"CUDA graph capture FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return None
+    return graph.replay
 
 
 def main() -> None:
@@ -128,6 +152,20 @@ def main() -> None:
             )
 
         candidates[f"decode {name}"] = decode
+    if dev.type == "cuda" and "torch" in libs:
+        graph = _captured(
+            lambda: sa.attention_with_kv_cache(
+                q,
+                kc,
+                vc,
+                cache_lengths=torch.tensor(lengths, device=dev, dtype=torch.int32),
+                block_table=table,
+                enable_gqa=True,
+            ),
+            torch,
+        )
+        if graph is not None:
+            candidates["decode torch graph"] = graph
     times: dict[str, list[float]] = {k: [] for k in candidates}
     for r in range(args.rounds):
         names = list(candidates)

@@ -560,3 +560,22 @@ def test_jax_asks_for_cudnn_on_a_gpu_where_it_applies():
     assert "multiples of 8" in cudnn_reason(
         problem("float16", 2 * CUDNN_MAX_HEAD_DIM), False, False
     )
+
+
+def test_jax_arrays_count_as_on_a_gpu_by_their_platform(monkeypatch):
+    """A JAX array is on a GPU when its device's platform is ``gpu`` (so the cuDNN route
+    and the GPU rules apply to it); a tracer, which has no device, is taken to run on JAX's
+    default backend."""
+    jax = pytest.importorskip("jax")
+    from sdpa_array._arrays.compat import on_gpu
+
+    x = jax.numpy.ones(3)
+    real = jax.default_backend()
+    assert on_gpu(x) == (x.device.platform == "gpu")
+    seen = []
+    jax.jit(lambda a: seen.append(on_gpu(a)) or a)(x)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    jax.jit(lambda a: seen.append(on_gpu(a)) or a * 2)(x)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    jax.jit(lambda a: seen.append(on_gpu(a)) or a * 3)(x)
+    assert seen == [real == "gpu", True, False]

@@ -27,6 +27,7 @@ if importlib.util.find_spec("triton") is None:
 
 from sdpa_array._api import kv_cache as _kv_cache
 from sdpa_array._api.kv_cache import api as kv_api
+from sdpa_array._api.kv_cache import args as kv_args
 from sdpa_array._kernels.triton import CannotUseTritonError
 from sdpa_array._kernels.triton.configs import interpreting
 from sdpa_array._kernels.triton.decoding import (
@@ -115,6 +116,48 @@ def test_long_pages_across_key_blocks(pair: tuple[Backend, str], spy: list) -> N
         )
         run(backend, dtype, case, implementation="triton", is_causal=True, num_splits=2)
     assert len(spy) == 2
+
+
+@pytest.mark.parametrize(
+    ("paged", "new"),
+    [(False, True), (True, True), (True, False)],
+    ids=["contiguous-new", "paged-new", "paged-cached"],
+)
+@pytest.mark.parametrize("pair", PAIRS, ids=[f"{b.id}-{d}" for b, d in PAIRS])
+def test_lengths_only_on_the_device(
+    pair: tuple[Backend, str], paged: bool, new: bool, spy: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lengths and a block table the host cannot read (as while a CUDA graph is captured)
+    stay on the device: the kernel still decodes, its splits cover the cache's capacity,
+    and splits past a sequence's length read nothing (the NaN in empty slots would show);
+    the new tokens are written through device indices."""
+    backend, dtype = pair
+    backend.configure()
+
+    def unreadable(x: Any) -> Any:
+        raise RuntimeError("not readable here")
+
+    monkeypatch.setitem(kv_args._HOST_READERS, backend.library, unreadable)
+    case = make_case(
+        f"device-{paged}-{new}",
+        lengths=[5, 0, 2 * BLOCK_N + 3],
+        new=new,
+        paged=paged,
+        page_size=32,
+        max_pages=8,
+        heads_kv=4,
+    )
+    run(
+        backend,
+        dtype,
+        case,
+        implementation="triton",
+        is_causal=True,
+        num_splits=4,
+        lengths_as="array",
+    )
+    assert len(spy) == 1, "the decoding kernel did not run"
+    assert spy[0].longest == 32 * 8, "the splits must cover the capacity"
 
 
 def test_auto_decodes_through_it_on_a_gpu_only(spy: list) -> None:

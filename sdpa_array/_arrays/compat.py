@@ -15,6 +15,7 @@ from array_api_compat import (
     device,
     is_array_api_obj,
     is_dask_array,
+    is_jax_array,
     is_jax_namespace,
     is_torch_namespace,
 )
@@ -72,12 +73,24 @@ def namespace_name(xp: ModuleType) -> str:
 
 
 def on_gpu(x: Any) -> bool:
-    """Whether ``x`` lives in a GPU's memory (a CuPy array, a torch tensor on CUDA), where
-    reading its values on the host would wait for the device."""
+    """Whether ``x`` lives in a GPU's memory (a CuPy array, a torch tensor on CUDA, a JAX
+    array on a ``gpu`` device), where reading its values on the host would wait for the
+    device. A JAX tracer has no device: it is taken to run on JAX's default backend."""
     if type(x).__module__.split(".")[0] == "cupy":
         return True
+    if is_jax_array(x):
+        return _jax_platform(x) == "gpu"
     kind = getattr(getattr(x, "device", None), "type", None)
     return kind is not None and str(kind) == "cuda"
+
+
+def _jax_platform(x: Any) -> str:
+    try:
+        return str(x.device.platform)
+    except AttributeError:  # a tracer (under jit, grad, vmap)
+        import jax
+
+        return str(jax.default_backend())
 
 
 def known_value(x: Any) -> float | None:

@@ -59,45 +59,8 @@ def validate_and_prepare(
     k = as_float64(key)
     v = as_float64(value)
 
-    for name, a in (("query", q), ("key", k), ("value", v)):
-        if a.ndim < 2:
-            raise ValueError(f"{name} must have at least 2 dimensions, got shape {a.shape}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"query and key must share the embedding size E: {q.shape[-1]} != {k.shape[-1]}"
-        )
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"key and value must share the sequence length S: {k.shape[-2]} != {v.shape[-2]}"
-        )
-    if alignment not in ALIGNMENTS:
-        raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be positive, got {softcap!r}")
-    if window is not None:
-        if len(window) != 2:
-            raise ValueError(f"window must be a pair (left, right), got {window!r}")
-        for side in window:
-            if side is not None and side != int(side):
-                raise ValueError(f"window sides must be integers or None, got {window!r}")
-
-    group = 1
-    k_rep, v_rep = k, v
-    if enable_gqa:
-        if q.ndim < 3 or k.ndim < 3 or v.ndim < 3:
-            raise ValueError("enable_gqa=True needs a heads axis (-3) on query, key and value")
-        hq, hkv = q.shape[-3], k.shape[-3]
-        if v.shape[-3] != hkv:
-            raise ValueError(
-                f"key and value must have the same number of heads: {hkv} != {v.shape[-3]}"
-            )
-        if hkv == 0 or hq % hkv != 0:
-            raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
-        group = hq // hkv
-        # Query head h uses key/value head h // group (torch's repeat_interleave grouping).
-        k_rep = np.repeat(k, group, axis=-3)
-        v_rep = np.repeat(v, group, axis=-3)
-
+    _check_shapes_and_options(q, k, v, alignment, softcap, window)
+    group, k_rep, v_rep = _expand_gqa(q, k, v) if enable_gqa else (1, k, v)
     scale_value, scale_is_array = resolve_scale(scale, q.shape[-1])
 
     # Batch shape: the broadcast leading axes of all three inputs, less the heads axis
@@ -116,17 +79,8 @@ def validate_and_prepare(
             raise TypeError(f"mask must be boolean (True = may attend), got {mask_np.dtype}")
     bias_np = None if bias is None else as_float64(bias)
 
-    sinks_np, sinks_shape = None, None
-    if sinks is not None:
-        sinks_np = as_float64(sinks)
-        sinks_shape = sinks_np.shape
-        try:
-            fits = np.broadcast_shapes(sinks_shape, lead) == tuple(lead)
-        except ValueError:
-            fits = False
-        if not fits:
-            raise ValueError(f"sinks of shape {sinks_shape} do not broadcast to {lead}")
-        sinks_np = np.broadcast_to(sinks_np, lead)
+    given_sinks = None if sinks is None else as_float64(sinks)
+    sinks_np = None if given_sinks is None else _broadcast_sinks(given_sinks, lead)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     if dropout_p > 0 and dropout_seed is None:
@@ -156,11 +110,64 @@ def validate_and_prepare(
         "key_lengths": k_lengths,
         "segments": segments,
         "sinks": sinks_np,
-        "sinks_shape": sinks_shape,
+        "sinks_shape": None if given_sinks is None else given_sinks.shape,
         "dropout_p": float(dropout_p),
         "dropout_seed": dropout_seed,
         **mods,
     }
+
+
+def _check_shapes_and_options(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, alignment: str, softcap: Any, window: Any
+) -> None:
+    for name, a in (("query", q), ("key", k), ("value", v)):
+        if a.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions, got shape {a.shape}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"query and key must share the embedding size E: {q.shape[-1]} != {k.shape[-1]}"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"key and value must share the sequence length S: {k.shape[-2]} != {v.shape[-2]}"
+        )
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap!r}")
+    if window is not None:
+        if len(window) != 2:
+            raise ValueError(f"window must be a pair (left, right), got {window!r}")
+        for side in window:
+            if side is not None and side != int(side):
+                raise ValueError(f"window sides must be integers or None, got {window!r}")
+
+
+def _expand_gqa(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(group, k_rep, v_rep)``: query heads per key/value head, and the keys and values
+    repeated so that query head ``h`` meets key/value head ``h // group`` (torch's
+    ``repeat_interleave`` grouping)."""
+    if q.ndim < 3 or k.ndim < 3 or v.ndim < 3:
+        raise ValueError("enable_gqa=True needs a heads axis (-3) on query, key and value")
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if v.shape[-3] != hkv:
+        raise ValueError(
+            f"key and value must have the same number of heads: {hkv} != {v.shape[-3]}"
+        )
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    group = hq // hkv
+    return group, np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
+
+
+def _broadcast_sinks(sinks: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
+    try:
+        fits = np.broadcast_shapes(sinks.shape, lead) == tuple(lead)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"sinks of shape {sinks.shape} do not broadcast to {lead}")
+    return np.broadcast_to(sinks, lead)
 
 
 def forward_pass(

@@ -82,10 +82,11 @@ def attention_with_kv_cache(
         The caches holding the new tokens, unchanged elsewhere. Written in place, and the
         caller's own arrays returned, for NumPy (writable arrays), CuPy, array-api-strict and
         torch (when neither the cache nor the new tokens require grad). New arrays for JAX
-        (``.at[].set``), Dask, read-only NumPy arrays and torch under autograd, and where
-        the lengths or the block table cannot be read on the host (lazy Dask arrays: then
-        the update is a ``where`` over the cache). Without new tokens the caller's arrays
-        are returned as they are.
+        (``.at[].set``), Dask, read-only NumPy arrays and torch under autograd. Where the
+        lengths or the block table cannot be read on the host (lazy Dask arrays, torch
+        tensors while a CUDA graph is captured), torch and CuPy write through the indices
+        on the device; other libraries update with a ``where`` over the cache. Without new
+        tokens the caller's arrays are returned as they are.
 
     Raises
     ------
@@ -128,7 +129,11 @@ def attention_with_kv_cache(
     programs in all. The kernel takes ``is_causal``, ``window``, ``scale`` (a number),
     ``softcap`` and GQA; a dense ``mask`` or ``bias``, more than 64 query rows per
     key/value head, a 0-d array ``scale`` or tensors that require grad are attended chunk
-    by chunk as above.
+    by chunk as above. Lengths and block table given as device arrays are read on the host
+    (checked, and the splits fitted to the longest sequence), except while a torch CUDA
+    graph is captured: then they stay on the device, unchecked, the splits cover the
+    cache's capacity, and the call copies nothing from the host, so a decoding step
+    (writing the new tokens included) can be captured and replayed.
 
     *Accuracy.* Each chunk is a call of the main function (within its derived error
     bound); merging ``n`` parts adds the error of an attention over ``n`` keys whose

@@ -50,9 +50,20 @@ OPTIONS = (
 #: kernel on a GPU where it applies.
 IMPLEMENTATION_NAMES = ("auto", "materialized", "blocked", "native", "triton")
 
+
+def _torch_values(x: Any) -> np.ndarray:
+    """A torch tensor's values on the host; refused (``RuntimeError``) while a CUDA graph is
+    captured, where the copy would synchronise and break the capture."""
+    import torch
+
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a CUDA graph is being captured")
+    return np.asarray(x.detach().cpu().numpy())
+
+
 #: How a library's readable array becomes a NumPy array (default: ``numpy.asarray``).
 _HOST_READERS: dict[str, Callable[[Any], np.ndarray]] = {
-    "torch": lambda x: x.detach().cpu().numpy(),
+    "torch": _torch_values,
     "cupy": lambda x: x.get(),
 }
 
@@ -351,39 +362,88 @@ def check_call(
         ``new_value``, out-of-range options.
     """
     _check_options(options)
-    mask, bias = options.get("mask"), options.get("bias")
     named = {
         "query": query,
         "key_cache": key_cache,
         "value_cache": value_cache,
         "new_key": new_key,
         "new_value": new_value,
-        "mask": mask,
-        "bias": bias,
+        "mask": options.get("mask"),
+        "bias": options.get("bias"),
         "cache_lengths": cache_lengths,
         "block_table": block_table,
     }
-    if cache_lengths is None:
+    xp = _checked_arrays(named, bool(options.get("enable_gqa", False)))
+    lengths, table, capacity = _layout(xp, named)
+    host_lengths = lengths if isinstance(lengths, np.ndarray) else None
+    implementation, problem = _checked_options(named, options)
+    B, Hq, L, _ = (int(n) for n in query.shape)
+    paged = block_table is not None
+    scores, what = (B, Hq, L, capacity), "max_pages * page_size" if paged else "S_max"
+    # the window as given (the problem's stub call has S = 0, which would make every side
+    # "past the lengths"), bounded as validation bounds it
+    left, right = window_bounds(options.get("window"), L + capacity)
+    return CacheCall(
+        xp=xp,
+        device=device(query),
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        new_key=new_key,
+        new_value=new_value,
+        paged=paged,
+        page_size=int(key_cache.shape[2]),
+        capacity=capacity,
+        lengths=tuple(host_lengths.tolist()) if host_lengths is not None else lengths,
+        table=table,
+        num_splits=_num_splits(num_splits),
+        mask=_term(xp, "mask", named["mask"], scores, what),
+        bias=_term(xp, "bias", named["bias"], scores, what),
+        is_causal=bool(options.get("is_causal", False)),
+        window=None if left is None and right is None else (left, right),
+        passed={
+            k: options[k]
+            for k in ("scale", "softcap", "enable_gqa", "implementation")
+            if k in options
+        },
+        return_lse=bool(options.get("return_lse", False)),
+        problem=problem,
+        implementation=implementation,
+    )
+
+
+def _checked_arrays(named: dict[str, Any], enable_gqa: bool) -> ModuleType:
+    """The arrays' namespace, after checking that they are present where required, of one
+    library, of fitting dtypes and shapes."""
+    if named["cache_lengths"] is None:
         raise TypeError("cache_lengths is required: the number of tokens in each cache, (B,)")
     for name in ("query", "key_cache", "value_cache"):
         if named[name] is None:
             raise TypeError(f"{name} must be an array, got None")
     xp = _namespace(named)
-    if (new_key is None) != (new_value is None):
-        given, missing = ("new_key", "new_value") if new_value is None else ("new_value", "new_key")
+    if (named["new_key"] is None) != (named["new_value"] is None):
+        given, missing = (
+            ("new_key", "new_value") if named["new_value"] is None else ("new_value", "new_key")
+        )
         raise ValueError(f"{given} was given without {missing}: pass both or neither")
     _check_arrays(xp, named)
-    enable_gqa = options.get("enable_gqa", False)
     check_flag("enable_gqa", enable_gqa)
-    paged = block_table is not None
-    _check_shapes(named, paged, bool(enable_gqa))
-    B, Hq, L, _ = (int(n) for n in query.shape)
-    pages, _, rows, _ = (int(n) for n in key_cache.shape)
-    new = L if new_key is not None else 0
-    lengths = _integers(xp, "cache_lengths", cache_lengths, (B,), "(B,)")
+    _check_shapes(named, named["block_table"] is not None, enable_gqa)
+    return xp
+
+
+def _layout(xp: ModuleType, named: dict[str, Any]) -> tuple[Any, Any, int]:
+    """``(lengths, table, capacity)``: the lengths and block table as host int64 arrays
+    where they can be read (and then checked against the cache), else as given; a
+    contiguous cache as the table of one page per sequence; the tokens a sequence holds."""
+    B, L = int(named["query"].shape[0]), int(named["query"].shape[2])
+    pages, _, rows, _ = (int(n) for n in named["key_cache"].shape)
+    new = L if named["new_key"] is not None else 0
+    lengths = _integers(xp, "cache_lengths", named["cache_lengths"], (B,), "(B,)")
     host_lengths = lengths if isinstance(lengths, np.ndarray) else None
+    paged = named["block_table"] is not None
     if paged:
-        table = _integers(xp, "block_table", block_table, (B, None), "(B, max_pages)")
+        table = _integers(xp, "block_table", named["block_table"], (B, None), "(B, max_pages)")
         capacity = int(table.shape[1]) * rows
         layout = f"the block table ({table.shape[1]} pages of {rows} tokens)"
     else:
@@ -394,56 +454,29 @@ def check_call(
         _check_lengths(host_lengths, new, capacity, layout)
     if paged and isinstance(table, np.ndarray):
         _check_table(table, host_lengths, new, rows, pages)
-    splits = _num_splits(num_splits)
-    return_lse = options.get("return_lse", False)
-    check_flag("return_lse", return_lse)
-    is_causal = options.get("is_causal", False)
+    return lengths, table, capacity
+
+
+def _checked_options(named: dict[str, Any], options: dict[str, Any]) -> tuple[str, Problem]:
+    """``(implementation, problem)``: the options checked by the main function's validation
+    on a stub call with no keys (scale, softcap, window, GQA resolved), and the Triton
+    kernels' refusal where ``implementation="triton"`` cannot run."""
+    check_flag("return_lse", options.get("return_lse", False))
     implementation = options.get("implementation", "auto")
     if not isinstance(implementation, str) or implementation not in IMPLEMENTATION_NAMES:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATION_NAMES}, got {implementation!r}"
         )
-    passed: dict[str, Any] = {
-        k: options[k] for k in ("scale", "softcap", "enable_gqa", "implementation") if k in options
-    }
-    stub = key_cache[:1, :, :0, :]
+    query, key_cache, value_cache = named["query"], named["key_cache"], named["value_cache"]
     stub_options = Options(
-        is_causal=is_causal,
+        is_causal=options.get("is_causal", False),
         window=options.get("window"),
         alignment="bottom_right",
         scale=options.get("scale"),
         softcap=options.get("softcap"),
-        enable_gqa=enable_gqa,
+        enable_gqa=options.get("enable_gqa", False),
     )
-    problem = validate(query, stub, value_cache[:1, :, :0, :], stub_options)
+    problem = validate(query, key_cache[:1, :, :0, :], value_cache[:1, :, :0, :], stub_options)
     if implementation == "triton":  # raises CannotUseTritonError before any work
         plan_triton(problem, Inputs(query, key_cache, value_cache))
-    scores = (B, Hq, L, capacity)
-    what = "max_pages * page_size" if paged else "S_max"
-    # the window as given (the stub call above has S = 0, which would make every side "past
-    # the lengths"), bounded as validation bounds it
-    left, right = window_bounds(options.get("window"), L + capacity)
-    window = None if left is None and right is None else (left, right)
-    return CacheCall(
-        xp=xp,
-        device=device(query),
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        new_key=new_key,
-        new_value=new_value,
-        paged=paged,
-        page_size=rows,
-        capacity=capacity,
-        lengths=tuple(host_lengths.tolist()) if host_lengths is not None else lengths,
-        table=table,
-        num_splits=splits,
-        mask=_term(xp, "mask", mask, scores, what),
-        bias=_term(xp, "bias", bias, scores, what),
-        is_causal=bool(is_causal),
-        window=window,
-        passed=passed,
-        return_lse=bool(return_lse),
-        problem=problem,
-        implementation=implementation,
-    )
+    return implementation, problem

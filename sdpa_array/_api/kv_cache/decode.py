@@ -21,11 +21,16 @@ __all__ = ["decode_call"]
 
 def decode_call(c: CacheCall, caches: tuple[Array, Array]) -> DecodeCall | None:
     """The call as the Triton decoding kernel takes it, or ``None`` where it does not run:
-    another ``implementation`` asked for, ``"auto"`` off a GPU, lengths that cannot be read
-    on the host, or a call the kernel cannot compute (:func:`decode_reason`,
-    :func:`~sdpa_array._kernels.triton.plan_triton`)."""
+    another ``implementation`` asked for, ``"auto"`` off a GPU, or a call the kernel cannot
+    compute (:func:`decode_reason`, :func:`~sdpa_array._kernels.triton.plan_triton`).
+
+    Lengths known only on the device (a torch CUDA graph being captured, where reading them
+    would synchronise) stay there: the splits then cover the cache's capacity, and splits
+    past a sequence's length read nothing. Nothing is copied from the host then, so the
+    call can be captured.
+    """
     p = c.problem
-    if c.implementation not in ("auto", "triton") or c.host_lengths is None:
+    if c.implementation not in ("auto", "triton"):
         return None
     if c.implementation == "auto" and not p.on_gpu:
         return None
@@ -44,17 +49,28 @@ def decode_call(c: CacheCall, caches: tuple[Array, Array]) -> DecodeCall | None:
     if reason is not None:
         return None
     xp, dev = c.xp, c.device
-    attended = np.asarray(c.host_lengths, dtype=np.int64) + c.new_tokens
-    table = c.table if c.host_table is None else xp.asarray(c.host_table, device=dev)
+    if not c.paged:  # one page per sequence: page b
+        table = xp.reshape(xp.arange(c.B, dtype=xp.int32, device=dev), (c.B, 1))
+    elif c.host_table is None:
+        table = xp.astype(c.table, xp.int32, copy=False)
+    else:
+        table = xp.asarray(c.host_table.astype(np.int32), device=dev)
+    if c.host_lengths is None:
+        attended = xp.astype(c.lengths, xp.int32) + c.new_tokens
+        longest = c.capacity
+    else:
+        host = np.asarray(c.host_lengths, dtype=np.int64) + c.new_tokens
+        attended = xp.asarray(host.astype(np.int32), device=dev)
+        longest = int(host.max(initial=0))
     left, right = c.window if c.window is not None else (None, None)
     uppers = [u for u in (0 if c.is_causal else None, right) if u is not None]
     return DecodeCall(
         query=c.query,
         key_pages=caches[0],
         value_pages=caches[1],
-        table=xp.astype(table, xp.int32),
-        attended=xp.asarray(attended.astype(np.int32), device=dev),
-        longest=int(attended.max(initial=0)),
+        table=table,
+        attended=attended,
+        longest=longest,
         scale=float(p.scale),
         softcap=p.softcap,
         left=left,

@@ -31,6 +31,10 @@ _FUNCTIONAL_WRITERS: dict[str, Callable[[Array, Any, Any, Array], Array]] = {"ja
 #: does not fit (torch: ``clone`` keeps the autograd graph and warns about nothing).
 _COPIERS: dict[str, Callable[[Array], Array]] = {"torch": lambda x: x.clone()}
 
+#: Libraries whose arrays take an assignment through integer index arrays on their device,
+#: ``cache[pages, :, rows, :] = values``, without reading the indices on the host.
+_INDEXED_WRITES = frozenset({"torch", "cupy"})
+
 #: Libraries whose ``x[...] = y`` would rebind the caller's object rather than write memory.
 _NOT_IN_PLACE = frozenset({"dask"})
 
@@ -49,8 +53,11 @@ def _targets(c: CacheCall) -> tuple[Any, Any]:
     dev = c.device
     n: Array = xp.asarray(lengths, device=dev) if lengths is not None else c.lengths
     t = xp.reshape(n, (c.B, 1)) + xp.reshape(xp.arange(L, dtype=n.dtype, device=dev), (1, L))
-    on_device = xp.asarray(table, device=dev) if table is not None else c.table
-    pages = xp.stack([xp.take(on_device[b, :], t[b, :] // ps, axis=0) for b in range(c.B)])
+    if not c.paged:  # sequence b is page b (built on the device: nothing copied there)
+        pages = xp.reshape(xp.arange(c.B, dtype=t.dtype, device=dev), (c.B, 1)) + 0 * t
+    else:
+        on_device = xp.asarray(table, device=dev) if table is not None else c.table
+        pages = xp.stack([xp.take(on_device[b, :], t[b, :] // ps, axis=0) for b in range(c.B)])
     return xp.reshape(pages, (-1,)), xp.reshape(t % ps, (-1,))
 
 
@@ -71,7 +78,14 @@ def _write_one(c: CacheCall, cache: Array, new: Array) -> Array:
     if writer is not None:
         values = xp.reshape(xp.permute_dims(new, (0, 2, 1, 3)), (c.B * L, *new.shape[1:2], -1))
         return writer(cache, pages, rows, values)
-    if not isinstance(pages, np.ndarray):  # positions known on the device only
+    on_device = not isinstance(pages, np.ndarray)  # positions known on the device only
+    if on_device and c.library in _INDEXED_WRITES:
+        if not _in_place(c, cache, new):
+            cache = _COPIERS.get(c.library, lambda x: xp.asarray(x, copy=True))(cache)
+        values = xp.reshape(xp.permute_dims(new, (0, 2, 1, 3)), (c.B * L, *new.shape[1:2], -1))
+        cache[pages, :, rows, :] = values
+        return cache
+    if on_device:
         grid_p = xp.reshape(xp.arange(cache.shape[0], device=c.device), (-1, 1, 1, 1))
         grid_r = xp.reshape(xp.arange(c.page_size, device=c.device), (1, 1, -1, 1))
         for n in range(c.B * L):

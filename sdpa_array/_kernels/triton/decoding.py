@@ -50,7 +50,8 @@ class DecodeCall:
     attended : array, shape (B,)
         int32 on the query's device: the tokens each sequence attends, ``n_b``.
     longest : int
-        The largest ``n_b``.
+        An upper bound of every ``n_b``: the largest where the lengths are known on the
+        host, else the cache's capacity.
     scale : float
     softcap : float or None
     left, upper : int or None
