@@ -1,7 +1,8 @@
 """nox sessions: one test session per backend, lint, docs and benchmarks.
 
-``nox`` alone runs the CPU test sessions (without the tests marked ``slow``), ``lint``,
-``docs`` and ``build``; ``nox -s tests-slow`` runs the ``slow`` tests on every CPU backend;
+``nox`` alone runs the CPU test sessions (without the tests marked ``slow``), the NumPy
+tests at the lowest declared dependency versions (``tests-min-deps``), ``lint``, ``docs``
+and ``build``; ``nox -s tests-slow`` runs the ``slow`` tests on every CPU backend;
 ``nox -s tests-cupy`` and ``nox -s tests-cuda`` need a CUDA device, ``nox -s bench`` runs
 the asv suite.
 """
@@ -110,6 +111,31 @@ def _define_test_session(
 for _name, _spec in TEST_SESSIONS.items():
     _define_test_session(_name, *_spec, marks="not slow" if _spec[-1] else None)
 _define_test_session("tests-slow", *SLOW_SESSION, default=False, marks="slow")
+
+
+def _lowest(requirements: list[str]) -> list[str]:
+    """``name>=x`` as ``name==x``: each requirement at the lowest version the project
+    declares."""
+    return [r.replace(">=", "==") for r in requirements]
+
+
+@nox.session(name="tests-min-deps")
+def tests_min_deps(session: nox.Session) -> None:
+    """Run the NumPy tests (not slow) with every dependency, and the test extra, at the
+    lowest version pyproject.toml declares (this session's Python: 3.10 where nox finds
+    it, else the interpreter running nox)."""
+    import tomllib
+
+    project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+    session.install(*_lowest(project["dependencies"] + project["optional-dependencies"]["test"]))
+    session.install("--no-deps", "-e", ".")
+    session.run(
+        "pytest",
+        "-m",
+        "not slow",
+        "tests",
+        env={"SDPA_BACKENDS": "numpy", "HYPOTHESIS_PROFILE": "ci"},
+    )
 
 
 @nox.session

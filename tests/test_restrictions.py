@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import numpy as np
+from array_api_compat import numpy as xnp
 from hypothesis import given
 
 from sdpa_array._kernels.restrictions import DenseMask, Restrictions, TileKind
@@ -62,7 +63,7 @@ def test_band_classifies_exactly(args, tile):
     """For the band (causal/window) the classification is exact, not only conservative."""
     grid, r, rows, cols = _band_tile(args, tile)
     assert r.classify(rows, cols) is _kind(grid[rows, cols])
-    mask = r.tile_mask(np, "cpu", rows, cols)
+    mask = r.tile_mask(xnp, "cpu", rows, cols)
     if r.classify(rows, cols) is TileKind.FULL:
         assert mask is None
     else:
@@ -137,9 +138,9 @@ def test_dense_mask_is_partial_and_sliced_per_batch():
     assert r.classify(slice(0, 3), slice(0, 2)) is TileKind.PARTIAL
     assert not r.bounds_keys
     np.testing.assert_array_equal(
-        r.at((1,)).tile_mask(np, "cpu", slice(1, 3), slice(0, 2)), mask[1]
+        r.at((1,)).tile_mask(xnp, "cpu", slice(1, 3), slice(0, 2)), mask[1]
     )
-    assert Restrictions((), 3, 2).tile_mask(np, "cpu", slice(0, 3), slice(0, 2)) is None
+    assert Restrictions((), 3, 2).tile_mask(xnp, "cpu", slice(0, 3), slice(0, 2)) is None
 
 
 @given(band_args, tiles)

@@ -30,6 +30,7 @@ __all__ = [
     "is_torch_namespace",
     "known_value",
     "namespace_name",
+    "numpy_namespace",
     "on_gpu",
     "stop_gradient",
 ]
@@ -64,6 +65,14 @@ def array_namespace(named: dict[str, Any]) -> ModuleType:
         )
         names = ", ".join(present)
         raise TypeError(f"{names} must come from one array library; got {kinds}") from exc
+
+
+def numpy_namespace() -> ModuleType:
+    """NumPy's Array-API namespace (``array_api_compat.numpy``): the standard's functions
+    (``arange(..., device=)`` and the like) on NumPy 1.26 as on 2.x."""
+    from array_api_compat import numpy as compat_numpy
+
+    return compat_numpy
 
 
 def namespace_name(xp: ModuleType) -> str:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -356,8 +357,10 @@ def dropout_keep_mask(
             f"got {type(xp).__name__} {xp!r}"
         )
     try:
-        xp.asarray(0, device=device)
-    except (TypeError, ValueError, RuntimeError) as exc:
+        with warnings.catch_warnings():  # some versions warn on a bad device before failing
+            warnings.simplefilter("error")
+            xp.asarray(0, device=device)
+    except (TypeError, ValueError, RuntimeError, Warning) as exc:
         raise ValueError(f"device must be a device of {xp.__name__}, got {device!r}") from exc
     L, S = shape[-2:]
     keys = key_grid(xp, seed_value, shape[:-2], device)[..., None, None]

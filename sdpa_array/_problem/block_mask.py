@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays.compat import device, host_values
+from .._arrays.compat import device, host_values, numpy_namespace
 from .._arrays.typing import Array
 from .mod_calls import call_mod, check_mod_callable, index_grid
 from .mods_data import check_index
@@ -172,11 +172,13 @@ def _evaluate(
     S: int,
     block_q: int,
     block_k: int,
-    xp: ModuleType = np,
+    xp: ModuleType | None = None,
     where: Any = None,
 ) -> np.ndarray:
     """Block classes ``(B', H', nq, nk)``: the function on index arrays of ``xp`` on device
     ``where``, chunk by chunk."""
+
+    xp = numpy_namespace() if xp is None else xp
 
     def chunk(rows: slice) -> Array:
         indices = index_grid(xp, where, batch, heads, rows, slice(0, S))
@@ -282,7 +284,7 @@ def classify_on_host(
     indices what it gives on the inputs' (the ready-made ones of :mod:`sdpa_array.mods`),
     or ``None`` where its data cannot be read on the host (traced or lazy arrays). Blocks of
     :data:`HOST_BLOCK`."""
-    return classify_in(np, None, mask_mod, batch, heads, L, S)
+    return classify_in(numpy_namespace(), None, mask_mod, batch, heads, L, S)
 
 
 def classify_in(

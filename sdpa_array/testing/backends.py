@@ -130,6 +130,8 @@ def _from_numpy_plain(module: str) -> Callable[[np.ndarray, str, str], Any]:
         xp = importlib.import_module(module)
         if module == "dask.array":
             return xp.from_array(a.astype(dtype), chunks=-1)
+        if module == "numpy":  # NumPy 1.x warns on ``numpy.bool``
+            return np.asarray(a, dtype=dtype)
         return xp.asarray(np.asarray(a, dtype=dtype), dtype=getattr(xp, dtype))
 
     return convert
