@@ -8,7 +8,7 @@ Usage::
 For each library (a backend id of :mod:`sdpa_array.testing.backends`) and each
 ``L = S`` it times ``implementation="materialized"`` against ``implementation="blocked"``
 (the forward, and with ``--vjp`` also ``scaled_dot_product_attention_vjp``) at float32,
-B=1, H=8, E=64, with :func:`sdpa_array._cli.bench.interleaved_times` (one warm-up round,
+B=1, H=8, E=64, with :func:`sdpa_array.lab.cli.bench.interleaved_times` (one warm-up round,
 candidates interleaved; Dask results are computed, device results synchronized, before
 the clock stops). A row gives both medians, the ratio of medians blocked/materialized and
 the min-max of the per-round ratios. Sizes whose score matrix exceeds ``--max-score-bytes``
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 import sdpa_array
-from sdpa_array._cli.bench import interleaved_times
+from sdpa_array.lab.cli.bench import interleaved_times
 from sdpa_array.testing.backends import Backend, get_backend
 
 B, H, E = 1, 8, 64

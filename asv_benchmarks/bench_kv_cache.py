@@ -29,7 +29,7 @@ import numpy as np
 
 from sdpa_array._api.kv_cache import attention_with_kv_cache
 from sdpa_array._arrays.parallel import get_num_threads
-from sdpa_array._cli.bench import interleaved_times
+from sdpa_array.lab.cli.bench import interleaved_times
 from sdpa_array.testing.backends import get_backend
 
 

@@ -8,7 +8,7 @@ Usage::
 NumPy, float32, B=1, H=8, L=S=``--length``, E=64, ``implementation="auto"`` (the blocked
 kernel on its thread pool). The non-causal and causal calls run in the same process, one
 untimed warm-up round and then ``--repeat`` interleaved rounds
-(:func:`sdpa_array._cli.bench.interleaved_times`). Prints each call's median and min-max in
+(:func:`sdpa_array.lab.cli.bench.interleaved_times`). Prints each call's median and min-max in
 ms and the ratio of the medians (target: at least 1.8x, goal 1.95x; the work halves, so the
 limit is about 2x). When torch is installed, torch's own
 ``torch.nn.functional.scaled_dot_product_attention`` on the same data with
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 import sdpa_array
-from sdpa_array._cli.bench import interleaved_times
+from sdpa_array.lab.cli.bench import interleaved_times
 
 
 def _row(name: str, times: list[float]) -> str:

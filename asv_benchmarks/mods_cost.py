@@ -8,7 +8,7 @@ Usage::
 
 Groups of cases, each timed in the same process, one untimed warm-up round and then
 ``--repeat`` rounds in which the cases of a group are interleaved (each round starting with
-the next case, :func:`sdpa_array._cli.bench.interleaved_times`):
+the next case, :func:`sdpa_array.lab.cli.bench.interleaved_times`):
 
 * ``document``: ``mask_mod=mods.document(segments, segments)`` (8 documents of L/8 tokens)
   against the same call with the equivalent dense boolean ``mask`` of shape ``(L, S)``; also
@@ -45,7 +45,7 @@ import numpy as np
 
 import sdpa_array
 from sdpa_array import create_block_mask, mods
-from sdpa_array._cli.bench import interleaved_times
+from sdpa_array.lab.cli.bench import interleaved_times
 
 DOCUMENTS = 8
 

@@ -1,8 +1,8 @@
-"""``python -m sdpa_array``: see :mod:`sdpa_array._cli`."""
+"""``python -m sdpa_array``: see :mod:`sdpa_array.lab.cli`."""
 
 import sys
 
-from ._cli import main
+from .lab.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

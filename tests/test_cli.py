@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from sdpa_array._cli import bench, demo, explain
+from sdpa_array.lab.cli import bench, demo, explain
 from sdpa_array.testing.backends import Backend
 
 COMMANDS = {

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sdpa_array import lab
-from sdpa_array._cli import explain
+from sdpa_array.lab.cli import explain
 from sdpa_array.testing.backends import BACKENDS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -20,7 +20,6 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sdpa_array import scaled_dot_product_attention_vjp
-from sdpa_array._cli.bench import interleaved_times, make_inputs, peak_rss_growth
 
 from .common import (
     BACKEND_IDS,
@@ -32,6 +31,9 @@ from .common import (
     Case,
     Shape,
     backend_for,
+    interleaved_times,
+    make_inputs,
+    peak_rss_growth,
 )
 
 OURS = ["auto", "materialized", "blocked"]

@@ -11,8 +11,6 @@ from __future__ import annotations
 import statistics
 from typing import ClassVar
 
-from sdpa_array._cli.bench import interleaved_times, peak_rss_growth
-
 from .common import (
     BACKEND_IDS,
     DTYPES,
@@ -23,7 +21,9 @@ from .common import (
     SHAPES,
     TRACK_ROUNDS,
     Shape,
+    interleaved_times,
     make_case,
+    peak_rss_growth,
     products_case,
 )
 

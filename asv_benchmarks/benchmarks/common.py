@@ -2,7 +2,7 @@
 
 Backends come from the same registry as the tests (:mod:`sdpa_array.testing.backends`);
 timing, flop counts and the peers (torch's native kernel on the same memory, the naive three
-steps, the two matrix products alone) come from :mod:`sdpa_array._cli.bench`, which also
+steps, the two matrix products alone) come from :mod:`sdpa_array.lab.cli.bench`, which also
 backs ``python -m sdpa_array bench``, so the suite and the command line measure alike.
 Every ``setup`` gets its backend from :func:`backend_for`, which applies the backend's
 precision settings (:meth:`~sdpa_array.testing.backends.Backend.configure`) before any
@@ -34,14 +34,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from sdpa_array import CannotDelegateError, scaled_dot_product_attention
-from sdpa_array._cli.bench import (
-    attention_flops,
-    interleaved_times,
-    make_inputs,
-    naive_attention,
-    torch_sdpa_peer,
-    two_products,
-)
+
+try:
+    from sdpa_array.lab.cli.bench import (
+        attention_flops,
+        interleaved_times,
+        make_inputs,
+        naive_attention,
+        peak_rss_growth,
+        torch_sdpa_peer,
+        two_products,
+    )
+except ImportError:  # revisions before the command line moved into the lab
+    from sdpa_array._cli.bench import (  # type: ignore[no-redef]
+        attention_flops,
+        interleaved_times,
+        make_inputs,
+        naive_attention,
+        peak_rss_growth,  # noqa: F401 (imported by the other benchmark modules)
+        torch_sdpa_peer,
+        two_products,
+    )
 from sdpa_array.testing.backends import BACKENDS, Backend, get_backend
 
 # Import the installed array libraries once here: asv's forkserver imports this module

@@ -33,9 +33,16 @@ from sdpa_array import (
     scaled_dot_product_attention,
     scaled_dot_product_attention_vjp,
 )
-from sdpa_array._cli.bench import interleaved_times, make_inputs, torch_sdpa_peer, two_products
 
-from .common import PROFILE, Shape, backend_for
+from .common import (
+    PROFILE,
+    Shape,
+    backend_for,
+    interleaved_times,
+    make_inputs,
+    torch_sdpa_peer,
+    two_products,
+)
 
 GPU_BACKENDS = os.environ.get("SDPA_BENCH_GPU_BACKENDS", "torch:cuda,cupy").split(",")
 GPU_IMPLEMENTATIONS = ["auto", "native", "triton", "blocked", "materialized"]

@@ -35,9 +35,8 @@ from sdpa_array import (
     scaled_dot_product_attention,
     scaled_dot_product_attention_vjp,
 )
-from sdpa_array._cli.bench import interleaved_times
 
-from .common import FULL
+from .common import FULL, interleaved_times
 
 DOCUMENTS, HEADS, E = 8, 8, 64
 LENGTHS = [1024, 4096] if FULL else [1024]

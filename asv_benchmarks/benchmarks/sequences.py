@@ -17,7 +17,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sdpa_array import scaled_dot_product_attention
-from sdpa_array._cli.bench import interleaved_times
+
+from .common import interleaved_times
 
 DOCUMENTS, DOC_LEN, HEADS, E = 8, 512, 8, 64
 ROUNDS = 5

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import reference
-from .._api.forward import scaled_dot_product_attention
-from ..testing.backends import BACKENDS, Backend
-from ..testing.bounds import lse_bound, output_bound, score_error
+from ... import reference
+from ..._api.forward import scaled_dot_product_attention
+from ...testing.backends import BACKENDS, Backend
+from ...testing.bounds import lse_bound, output_bound, score_error
 from .backend_choice import parse_backends, report_unavailable
 
 WORKED_Q = [[1.0, 2.0], [3.0, 4.0]]

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import lab
-from ..testing.backends import BACKENDS, Backend, get_backend
+from ... import lab
+from ...testing.backends import BACKENDS, Backend, get_backend
 from .backend_choice import report_unavailable
 
 __all__ = ["EXPERIMENTS", "Experiment", "main"]

@@ -6,9 +6,9 @@ import importlib
 import sys
 
 COMMANDS = {
-    "demo": ("sdpa_array._cli.demo", "compare every installed backend and dtype with the oracle"),
-    "bench": ("sdpa_array._cli.bench", "time our implementations against torch's native kernel"),
-    "explain": ("sdpa_array._cli.explain", "run the 'why it works' experiments and draw figures"),
+    "demo": (f"{__name__}.demo", "compare every installed backend and dtype with the oracle"),
+    "bench": (f"{__name__}.bench", "time our implementations against torch's native kernel"),
+    "explain": (f"{__name__}.explain", "run the 'why it works' experiments and draw figures"),
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..testing.backends import BACKENDS, Backend, get_backend
+from ...testing.backends import BACKENDS, Backend, get_backend
 
 __all__ = ["parse_backends", "report_unavailable", "unavailable_reason"]
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from ..testing.backends import BACKENDS, Backend, get_backend
+from ...testing.backends import BACKENDS, Backend, get_backend
 from .backend_choice import parse_backends, report_unavailable, unavailable_reason
 
 __all__ = [
@@ -82,7 +82,7 @@ def make_inputs(
 
 def naive_attention(q: Any, k: Any, v: Any, *, is_causal: bool = False) -> Any:
     """The straightforward three steps (scores, softmax, product) in the arrays' library."""
-    from .._arrays.compat import array_namespace
+    from ..._arrays.compat import array_namespace
 
     xp = array_namespace({"q": q})
     s = xp.matmul(q, xp.matrix_transpose(k)) * (1.0 / math.sqrt(q.shape[-1]))
@@ -97,7 +97,7 @@ def naive_attention(q: Any, k: Any, v: Any, *, is_causal: bool = False) -> Any:
 
 def two_products(q: Any, k: Any, v: Any) -> Any:
     """``(q kᵀ) v``: the two matrix products of attention, nothing else."""
-    from .._arrays.compat import array_namespace
+    from ..._arrays.compat import array_namespace
 
     xp = array_namespace({"q": q})
     return xp.matmul(xp.matmul(q, xp.matrix_transpose(k)), v)
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             cases.append(_Case(backend, (1, 8, 1024, 64), False))
     steps = len(cases) + (1 if args.memory else 0)
 
-    from .._arrays import parallel
+    from ..._arrays import parallel
 
     _emit(
         f"# sdpa_array bench: {args.dtype}, times in ms as median (min-max) of {repeat} "
