@@ -19,7 +19,9 @@ __all__ = ["QueryKeyAsymmetry", "query_key_asymmetry"]
 class QueryKeyAsymmetry:
     """Self-attention scores, their two softmaxes, and the gradients to ``Q`` and ``K``.
 
-    Attributes
+    Made by :func:`query_key_asymmetry`; each parameter is the field of the same name.
+
+    Parameters
     ----------
     scores : numpy.ndarray, shape (n, n)
         ``S = scale · Q Kᵀ``; row ``i`` is query ``i``, column ``j`` key ``j``.
@@ -30,8 +32,10 @@ class QueryKeyAsymmetry:
         incoming attention splits over the queries (rows sum to 1).
     grad_scores : numpy.ndarray, shape (n, n)
         ``dS = P ∘ (dP - rowsum(dP ∘ P))`` for a random upstream gradient ``dO``.
-    grad_query, grad_key : numpy.ndarray, shape (n, d_k)
-        ``dL/dQ = scale · dS K`` and ``dL/dK = scale · dSᵀ Q``, from :data:`attention_vjp`.
+    grad_query : numpy.ndarray, shape (n, d_k)
+        ``dL/dQ = scale · dS K``, from :data:`attention_vjp`.
+    grad_key : numpy.ndarray, shape (n, d_k)
+        ``dL/dK = scale · dSᵀ Q``, from :data:`attention_vjp`.
     """
 
     scores: np.ndarray
@@ -84,12 +88,18 @@ def query_key_asymmetry(
     d_k, d_v : int, default 16
         Query/key and value widths.
     backend : Backend or str, default "numpy"
+        Where the inputs are placed and the arithmetic runs: a backend or its id in
+        :data:`sdpa_array.testing.backends.BACKENDS`.
     dtype : str, default "float64"
+        Floating dtype on the backend.
     seed : int, default 0
+        Seed of the NumPy generator.
 
     Returns
     -------
     QueryKeyAsymmetry
+        The scores with ``scale = 1 / sqrt(d_k)``, both softmaxes, ``dS`` and the gradients
+        to ``Q`` and ``K`` for a random upstream gradient.
 
     Notes
     -----

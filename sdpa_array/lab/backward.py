@@ -33,8 +33,11 @@ def attention_vjp_from_derivation(
     Parameters
     ----------
     query : array, shape (..., L, E)
+        Queries ``Q``.
     key : array, shape (..., S, E)
+        Keys ``K``, in the library of ``query``.
     value : array, shape (..., S, Ev)
+        Values ``V``.
     grad_output : array, shape (..., L, Ev)
         Cotangent ``dO`` of the output.
     scale : float, optional

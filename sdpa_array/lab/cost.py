@@ -41,8 +41,11 @@ def additive_attention(
     Parameters
     ----------
     query : array, shape (..., L, Dq)
+        Queries ``q_i``.
     key : array, shape (..., S, Dk)
+        Keys ``k_j``, in the library of ``query``.
     value : array, shape (..., S, Dv)
+        Values, averaged with the softmax weights.
     w_query : array, shape (Da, Dq)
         ``W``, applied to every query once.
     w_key : array, shape (Da, Dk)
@@ -80,12 +83,13 @@ class FlopCount:
     """Floating-point operations of one attention evaluation, term by term.
 
     A multiply-add counts 2, and ``exp``/``tanh`` count 1 each; the softmax counts 5 per
-    score (max, subtract, exp, sum, divide).
+    score (max, subtract, exp, sum, divide). Made by :func:`dot_product_attention_flops` and
+    :func:`additive_attention_flops`; the parameter is the field of the same name.
 
-    Attributes
+    Parameters
     ----------
     terms : tuple of (str, int)
-        Named terms, in evaluation order.
+        Named terms ``(name, flops)``, in evaluation order.
     """
 
     terms: tuple[tuple[str, int], ...]
@@ -101,6 +105,18 @@ def dot_product_attention_flops(n: int, m: int, d_k: int, d_v: int) -> FlopCount
 
     ``2 n m d_k`` (``Q Kᵀ``) + ``n m`` (scale) + ``5 n m`` (softmax) + ``2 n m d_v``
     (``P V``): ``O(n m d)``.
+
+    Parameters
+    ----------
+    n, m : int
+        Numbers of queries and keys.
+    d_k, d_v : int
+        Widths of queries and keys, and of values.
+
+    Returns
+    -------
+    FlopCount
+        The four terms above, in that order.
 
     Examples
     --------
@@ -137,6 +153,8 @@ def additive_attention_flops(
     Returns
     -------
     FlopCount
+        The two projections, ``W q + U k``, ``tanh``, the products with ``v_a``, the softmax
+        and ``P V``, in that order.
 
     Notes
     -----
@@ -179,7 +197,9 @@ def additive_attention_flops(
 class AttentionCost:
     """Measured time and counted flops of dot-product and additive attention against ``d``.
 
-    Attributes
+    Made by :func:`attention_cost`; each parameter is the field of the same name.
+
+    Parameters
     ----------
     dims : numpy.ndarray of int
         ``d = d_k = d_v = d_a`` (and the query/key width of additive attention).
@@ -187,12 +207,16 @@ class AttentionCost:
         Queries and keys (self-attention length).
     backend : str
         Backend id the times were measured on.
-    dot_seconds, additive_seconds : numpy.ndarray
-        Best time of one call of :func:`sdpa_array.scaled_dot_product_attention` and of
-        :func:`additive_attention`.
-    dot_flops, additive_flops, additive_naive_flops : numpy.ndarray of int
-        :func:`dot_product_attention_flops` and :func:`additive_attention_flops` projected
-        once and per pair.
+    dot_seconds : numpy.ndarray
+        Best time of one call of :func:`sdpa_array.scaled_dot_product_attention`, per width.
+    additive_seconds : numpy.ndarray
+        Best time of one call of :func:`additive_attention`, per width.
+    dot_flops : numpy.ndarray of int
+        Total of :func:`dot_product_attention_flops`, per width.
+    additive_flops : numpy.ndarray of int
+        Total of :func:`additive_attention_flops`, projections computed once.
+    additive_naive_flops : numpy.ndarray of int
+        Total of :func:`additive_attention_flops`, projections recomputed per pair.
     """
 
     dims: np.ndarray
@@ -239,14 +263,19 @@ def attention_cost(
     n : int, default 128
         Sequence length (``n`` queries attend ``n`` keys).
     backend : Backend or str, default "numpy"
+        Where the inputs are placed and the calls are timed: a backend or its id in
+        :data:`sdpa_array.testing.backends.BACKENDS`.
     dtype : str, default "float32"
+        Floating dtype on the backend.
     repeats : int, default 5
-        Timed calls per width; the best is kept.
+        Timed calls per width, after one warm-up call; the best is kept.
     seed : int, default 0
+        Seed of the NumPy generator.
 
     Returns
     -------
     AttentionCost
+        Best times and flop counts of both kinds of attention, per width.
     """
 
     b = configured(backend)

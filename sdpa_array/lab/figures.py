@@ -41,7 +41,15 @@ __all__ = [
 
 
 def draw_variance(r: DotProductVariance, fig: Any) -> None:
-    """Variance of ``q·k`` (log-log, against ``d_k``), scaled variance and means with intervals."""
+    """Variance of ``q·k`` (log-log, against ``d_k``), scaled variance and means with intervals.
+
+    Parameters
+    ----------
+    r : DotProductVariance
+        A result of :func:`dot_product_variance`.
+    fig : matplotlib.figure.Figure
+        The figure to fill; its size is set here.
+    """
     fig.set_size_inches(13, 4.2)
     ax1, ax2, ax3 = fig.subplots(1, 3)
     d = r.d_k
@@ -78,7 +86,15 @@ def draw_variance(r: DotProductVariance, fig: Any) -> None:
 
 
 def draw_saturation(r: SoftmaxSaturation, fig: Any) -> None:
-    """One softmax row per variance, then peak/entropy and the Jacobian norm against variance."""
+    """One softmax row per variance, then peak/entropy and the Jacobian norm against variance.
+
+    Parameters
+    ----------
+    r : SoftmaxSaturation
+        A result of :func:`softmax_saturation`.
+    fig : matplotlib.figure.Figure
+        The figure to fill; its size is set here.
+    """
     fig.set_size_inches(15, 7.5)
     top, bottom = fig.subfigures(2, 1, height_ratios=[1, 1.25])
     bars = top.subplots(1, len(r.variances), sharey=True)
@@ -134,7 +150,15 @@ def draw_saturation(r: SoftmaxSaturation, fig: Any) -> None:
 
 
 def draw_gradient_flow(r: GradientFlow, fig: Any) -> None:
-    """Median row norm of ``dL/dQ`` (band: 10%-90%, dotted: RMS) and peak weight against d_k."""
+    """Median row norm of ``dL/dQ`` (band: 10%-90%, dotted: RMS) and peak weight against d_k.
+
+    Parameters
+    ----------
+    r : GradientFlow
+        A result of :func:`gradient_flow`.
+    fig : matplotlib.figure.Figure
+        The figure to fill; its size is set here.
+    """
     fig.set_size_inches(12, 4.5)
     ax1, ax2 = fig.subplots(1, 2)
     q10, q50, q90, rms = r.quantile(0.1), r.median, r.quantile(0.9), r.rms
@@ -163,7 +187,15 @@ def draw_gradient_flow(r: GradientFlow, fig: Any) -> None:
 
 
 def draw_cost(r: AttentionCost, fig: Any) -> None:
-    """Measured time, counted flops, and the measured against the counted ratio, against ``d``."""
+    """Measured time, counted flops, and the measured against the counted ratio, against ``d``.
+
+    Parameters
+    ----------
+    r : AttentionCost
+        A result of :func:`attention_cost`.
+    fig : matplotlib.figure.Figure
+        The figure to fill; its size is set here.
+    """
     fig.set_size_inches(15, 4.5)
     ax1, ax2, ax3 = fig.subplots(1, 3)
     ax1.plot(r.dims, r.dot_seconds * 1e3, "o-", label="dot-product (sdpa_array)")
@@ -210,7 +242,15 @@ def _heatmap(ax: Any, m: np.ndarray, title: str, *, diverging: bool = False) -> 
 
 
 def draw_asymmetry(r: QueryKeyAsymmetry, fig: Any) -> None:
-    """The two softmaxes, ``dS`` and its sums, and the summed gradients to ``Q`` and ``K``."""
+    """The two softmaxes, ``dS`` and its sums, and the summed gradients to ``Q`` and ``K``.
+
+    Parameters
+    ----------
+    r : QueryKeyAsymmetry
+        A result of :func:`query_key_asymmetry`.
+    fig : matplotlib.figure.Figure
+        The figure to fill; its size is set here.
+    """
     fig.set_size_inches(14, 8)
     axes = fig.subplots(2, 3)
     n = r.weights.shape[0]
@@ -265,7 +305,15 @@ def _paired_bars(
 
 
 def draw_worked_example(r: WorkedExample, fig: Any) -> None:
-    """The four matrices, annotated; red where the published figure is wrong."""
+    """The four matrices, annotated; red where the published figure is wrong.
+
+    Parameters
+    ----------
+    r : WorkedExample
+        A result of :func:`worked_example`.
+    fig : matplotlib.figure.Figure
+        The figure to fill; its size is set here.
+    """
     fig.set_size_inches(15, 3.8)
     axes = fig.subplots(1, 4)
     published = {(f.matrix, f.index): f for f in r.published}
@@ -305,7 +353,17 @@ def draw_worked_example(r: WorkedExample, fig: Any) -> None:
 
 
 def draw_patterns(panels: Sequence[WeightsPanel], fig: Any) -> None:
-    """Heatmaps of the weights of each panel; excluded keys in grey."""
+    """Heatmaps of the weights of each panel; excluded keys in grey.
+
+    A panel with 3-D weights gets one heatmap per query head.
+
+    Parameters
+    ----------
+    panels : sequence of WeightsPanel
+        Panels such as those of :func:`attention_patterns`.
+    fig : matplotlib.figure.Figure
+        The figure to fill; its size is set here.
+    """
     import matplotlib as mpl
 
     maps = [(p.title, p.weights) for p in panels if p.weights.ndim == 2]

@@ -38,7 +38,9 @@ PUBLISHED: dict[str, tuple[tuple[str, ...], ...]] = {
 class PublishedFigure:
     """One rounded hand-computed figure, against the exact value.
 
-    Attributes
+    Made by :func:`worked_example`; each parameter is the field of the same name.
+
+    Parameters
     ----------
     matrix : str
         ``"scaled"``, ``"weights"`` or ``"output"``.
@@ -87,16 +89,25 @@ class PublishedFigure:
 class WorkedExample:
     """Every intermediate of the worked example, exact, and the hand-computed figures.
 
-    Attributes
+    Made by :func:`worked_example`; each parameter is the field of the same name.
+
+    Parameters
     ----------
-    query, key, value : numpy.ndarray
-        ``Q`` (2×2), ``K`` (3×2), ``V`` (3×3).
+    query : numpy.ndarray
+        ``Q`` (2×2).
+    key : numpy.ndarray
+        ``K`` (3×2).
+    value : numpy.ndarray
+        ``V`` (3×3).
     scores : numpy.ndarray
         ``Q Kᵀ`` = ``[[17, 23, 29], [39, 53, 67]]``.
     scaled : numpy.ndarray
         ``Q Kᵀ / sqrt(2)``.
-    weights, output : numpy.ndarray
-        From :func:`sdpa_array.scaled_dot_product_attention` with ``return_weights=True``.
+    weights : numpy.ndarray
+        ``softmax(Q Kᵀ / sqrt(2))``, from :func:`sdpa_array.scaled_dot_product_attention`
+        with ``return_weights=True``.
+    output : numpy.ndarray
+        ``weights V``, from the same call.
     published : tuple of PublishedFigure
         The note's rounded figures, each with the exact value.
     """
@@ -122,11 +133,16 @@ def worked_example(*, backend: Backend | str = "numpy", dtype: str = "float64") 
     Parameters
     ----------
     backend : Backend or str, default "numpy"
+        Where the arithmetic runs: a backend or its id in
+        :data:`sdpa_array.testing.backends.BACKENDS`.
     dtype : str, default "float64"
+        Floating dtype on the backend.
 
     Returns
     -------
     WorkedExample
+        The inputs, every intermediate (copied to float64 NumPy arrays) and each published
+        figure with its exact value.
 
     Notes
     -----

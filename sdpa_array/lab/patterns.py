@@ -18,7 +18,9 @@ __all__ = ["WeightsPanel", "attention_patterns"]
 class WeightsPanel:
     """Attention weights of one call, for a heatmap.
 
-    Attributes
+    Made by :func:`attention_patterns`; each parameter is the field of the same name.
+
+    Parameters
     ----------
     title : str
         What the panel shows.
@@ -41,8 +43,12 @@ def attention_patterns(
     Parameters
     ----------
     backend : Backend or str, default "numpy"
+        Where the inputs are placed and attention runs: a backend or its id in
+        :data:`sdpa_array.testing.backends.BACKENDS`.
     dtype : str, default "float64"
+        Floating dtype on the backend.
     seed : int, default 0
+        Seed of the NumPy generator.
 
     Returns
     -------

@@ -54,7 +54,9 @@ def _frobenius(x: Any, xp: Any) -> Any:
 class DotProductVariance:
     """Empirical moments of ``s = q·k`` and of ``s / sqrt(d_k)``, per key width.
 
-    Attributes
+    Made by :func:`dot_product_variance`; each parameter is the field of the same name.
+
+    Parameters
     ----------
     d_k : numpy.ndarray of int
         Key widths.
@@ -62,16 +64,24 @@ class DotProductVariance:
         Independent ``(q, k)`` pairs per width.
     confidence : float
         Coverage of the ``*_interval`` methods.
-    mean, variance : numpy.ndarray
-        Sample mean and unbiased sample variance of ``q·k`` (theory: 0 and ``d_k``).
-    scaled_mean, scaled_variance : numpy.ndarray
-        The same for ``q·k / sqrt(d_k)`` (theory: 0 and 1), computed on the backend from the
+    mean : numpy.ndarray
+        Sample mean of ``q·k`` (theory: 0).
+    variance : numpy.ndarray
+        Unbiased sample variance of ``q·k`` (theory: ``d_k``).
+    scaled_mean : numpy.ndarray
+        Sample mean of ``q·k / sqrt(d_k)`` (theory: 0), computed on the backend from the
         scaled products.
-    variance_stderr, scaled_variance_stderr : numpy.ndarray
-        Standard error of the sample variance under the theory (see
+    scaled_variance : numpy.ndarray
+        Unbiased sample variance of ``q·k / sqrt(d_k)`` (theory: 1), likewise.
+    variance_stderr : numpy.ndarray
+        Standard error of :attr:`variance` under the theory (see
         :func:`dot_product_variance`).
-    mean_stderr, scaled_mean_stderr : numpy.ndarray
-        ``sqrt(d_k / N)`` and ``sqrt(1 / N)``.
+    scaled_variance_stderr : numpy.ndarray
+        Standard error of :attr:`scaled_variance` under the theory.
+    mean_stderr : numpy.ndarray
+        Standard error of :attr:`mean`, ``sqrt(d_k / N)``.
+    scaled_mean_stderr : numpy.ndarray
+        Standard error of :attr:`scaled_mean`, ``sqrt(1 / N)``.
     """
 
     d_k: np.ndarray
@@ -95,13 +105,39 @@ class DotProductVariance:
         """Interval around the theoretical variance that the sample variance falls in.
 
         ``theory ± z · stderr`` with theory ``d_k`` (or 1 if ``scaled``).
+
+        Parameters
+        ----------
+        scaled : bool, default False
+            Interval for :attr:`scaled_variance` (around 1) instead of :attr:`variance`
+            (around ``d_k``).
+
+        Returns
+        -------
+        low : numpy.ndarray
+            ``theory - z · stderr``, one per key width.
+        high : numpy.ndarray
+            ``theory + z · stderr``, one per key width.
         """
         theory = np.ones_like(self.variance) if scaled else self.d_k.astype(np.float64)
         se = self.scaled_variance_stderr if scaled else self.variance_stderr
         return theory - self.z * se, theory + self.z * se
 
     def mean_interval(self, *, scaled: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Interval around 0 that the sample mean falls in: ``± z · stderr``."""
+        """Interval around 0 that the sample mean falls in: ``± z · stderr``.
+
+        Parameters
+        ----------
+        scaled : bool, default False
+            Interval for :attr:`scaled_mean` instead of :attr:`mean`.
+
+        Returns
+        -------
+        low : numpy.ndarray
+            ``-z · stderr``, one per key width.
+        high : numpy.ndarray
+            ``z · stderr``, one per key width.
+        """
         se = self.scaled_mean_stderr if scaled else self.mean_stderr
         return -self.z * se, self.z * se
 
@@ -136,6 +172,8 @@ def dot_product_variance(
     Returns
     -------
     DotProductVariance
+        Sample moments of ``q·k`` and ``q·k / sqrt(d_k)`` per width, with their standard
+        errors under the theory.
 
     Notes
     -----
@@ -214,17 +252,23 @@ class SoftmaxSaturation:
     """Softmax of logit rows of growing variance, and the size of its Jacobian.
 
     Row ``r`` at variance ``v`` is ``sqrt(v) · z_r`` for one standard normal draw ``z_r``
-    shared by all variances, so the rows differ only by the scale of their logits.
+    shared by all variances, so the rows differ only by the scale of their logits. Made by
+    :func:`softmax_saturation`; each parameter is the field of the same name.
 
-    Attributes
+    Parameters
     ----------
     variances : numpy.ndarray, shape (V,)
         Logit variances.
-    logits, probabilities : numpy.ndarray, shape (V, R, n)
-        The logit rows and their softmax.
-    max_probability, entropy, jacobian_norm : numpy.ndarray, shape (V, R)
-        Per row: largest probability, entropy in nats (``log n`` when uniform), and the
-        Frobenius norm of ``diag(p) - p pᵀ`` computed from the formed Jacobian.
+    logits : numpy.ndarray, shape (V, R, n)
+        The logit rows.
+    probabilities : numpy.ndarray, shape (V, R, n)
+        Their softmax.
+    max_probability : numpy.ndarray, shape (V, R)
+        Largest probability of each row.
+    entropy : numpy.ndarray, shape (V, R)
+        Entropy of each row in nats (``log n`` when uniform).
+    jacobian_norm : numpy.ndarray, shape (V, R)
+        Frobenius norm of each row's ``diag(p) - p pᵀ``, computed from the formed Jacobian.
     jacobian_bound : numpy.ndarray, shape (V, R)
         ``2 (1 - Σ p_j²)``, the sum of the Jacobian's absolute entries, an upper bound of
         :attr:`jacobian_norm` that vanishes as ``p`` becomes one-hot.
@@ -273,6 +317,8 @@ def softmax_saturation(
     Returns
     -------
     SoftmaxSaturation
+        The logits, their softmax, and per row the peak probability, entropy, Jacobian norm
+        and its bound.
 
     Notes
     -----
@@ -328,7 +374,9 @@ SCALES: dict[str, Any] = {
 class GradientFlow:
     """Size of the gradient reaching ``Q`` through attention, per scale and key width.
 
-    Attributes
+    Made by :func:`gradient_flow`; each parameter is the field of the same name.
+
+    Parameters
     ----------
     d_k : numpy.ndarray of int
         Key widths.
@@ -346,7 +394,18 @@ class GradientFlow:
     max_weight: np.ndarray
 
     def quantile(self, q: float) -> np.ndarray:
-        """Quantile ``q`` of the row norms, shape ``(len(scales), len(d_k))``."""
+        """Quantile ``q`` of the row norms, per scale and key width.
+
+        Parameters
+        ----------
+        q : float
+            Quantile level in ``[0, 1]`` (0.5: the median).
+
+        Returns
+        -------
+        numpy.ndarray, shape (len(scales), len(d_k))
+            The quantile of :attr:`grad_query_norms` over the query rows.
+        """
         return np.asarray(np.quantile(self.grad_query_norms, q, axis=-1))
 
     @property
@@ -380,6 +439,7 @@ def gradient_flow(
     Parameters
     ----------
     d_ks : sequence of int, default (4, 8, ..., 1024)
+        Key widths ``d_k``.
     n_queries, n_keys : int, default 64
         ``L`` and ``S``.
     d_v : int, default 32
@@ -387,12 +447,17 @@ def gradient_flow(
     batch : int, default 8
         Independent problems (leading axis); the statistics run over all ``batch · L`` rows.
     backend : Backend or str, default "numpy"
+        Where the inputs are placed and the gradients computed: a backend or its id in
+        :data:`sdpa_array.testing.backends.BACKENDS`.
     dtype : str, default "float64"
+        Floating dtype on the backend.
     seed : int, default 0
+        Seed of the NumPy generator.
 
     Returns
     -------
     GradientFlow
+        The row norms of ``dL/dQ`` and the mean largest weight, per scale and key width.
 
     Notes
     -----

@@ -59,6 +59,20 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
     Floats are printed with 4 significant digits, strings as they are.
 
+    Parameters
+    ----------
+    headers : sequence of str
+        Column titles.
+    rows : sequence of sequence
+        The rows, each with one cell per header: a string (printed as it is), an integer
+        (printed in full) or another number (printed with 4 significant digits).
+
+    Returns
+    -------
+    str
+        The header line, a line of dashes under each column, then one line per row, with
+        two spaces between columns and no trailing newline.
+
     Examples
     --------
     >>> print(format_table(["d_k", "var"], [[4, 3.99512], [1024, 1019.3]]))
@@ -81,7 +95,19 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def table_variance(r: DotProductVariance) -> str:
-    """Sample moments of ``q·k`` and ``q·k / sqrt(d_k)`` against theory and interval."""
+    """Sample moments of ``q·k`` and ``q·k / sqrt(d_k)`` against theory and interval.
+
+    Parameters
+    ----------
+    r : DotProductVariance
+        A result of :func:`dot_product_variance`.
+
+    Returns
+    -------
+    str
+        One row per key width, then a note giving ``N`` and the intervals' half-width in
+        standard errors.
+    """
     lo, hi = r.variance_interval()
     slo, shi = r.variance_interval(scaled=True)
     rows = [
@@ -110,7 +136,19 @@ def table_variance(r: DotProductVariance) -> str:
 
 
 def table_saturation(r: SoftmaxSaturation) -> str:
-    """Mean over rows of the peak probability, entropy and Jacobian norm, per variance."""
+    """Mean over rows of the peak probability, entropy and Jacobian norm, per variance.
+
+    Parameters
+    ----------
+    r : SoftmaxSaturation
+        A result of :func:`softmax_saturation`.
+
+    Returns
+    -------
+    str
+        One row per variance (with the median Jacobian norm and the mean bound too),
+        then a note giving the uniform and one-hot values.
+    """
     rows = [
         [
             f"{v:g}",
@@ -133,7 +171,19 @@ def table_saturation(r: SoftmaxSaturation) -> str:
 
 
 def table_gradient_flow(r: GradientFlow) -> str:
-    """Median (10%-90%) row norm of ``dL/dQ`` per scale, and the mean peak weight."""
+    """Median (10%-90%) row norm of ``dL/dQ`` per scale, and the mean peak weight.
+
+    Parameters
+    ----------
+    r : GradientFlow
+        A result of :func:`gradient_flow`.
+
+    Returns
+    -------
+    str
+        One row per key width, two columns per scale, then a note giving the
+        root-mean-square row norms at the largest width.
+    """
     q10, q50, q90 = r.quantile(0.1), r.median, r.quantile(0.9)
     head = ["d_k"]
     for name in r.scales:
@@ -153,7 +203,19 @@ def table_gradient_flow(r: GradientFlow) -> str:
 
 
 def table_cost(r: AttentionCost) -> str:
-    """Measured times and counted flops of dot-product and additive attention."""
+    """Measured times and counted flops of dot-product and additive attention.
+
+    Parameters
+    ----------
+    r : AttentionCost
+        A result of :func:`attention_cost`.
+
+    Returns
+    -------
+    str
+        One row per width (times in milliseconds, their ratio, the three flop counts),
+        then a note giving ``n`` and the backend.
+    """
     rows = [
         [
             int(d),
@@ -183,7 +245,19 @@ def table_cost(r: AttentionCost) -> str:
 
 
 def table_asymmetry(r: QueryKeyAsymmetry) -> str:
-    """Row and column sums of both softmaxes and of ``dS``; sums of the gradients."""
+    """Row and column sums of both softmaxes and of ``dS``; sums of the gradients.
+
+    Parameters
+    ----------
+    r : QueryKeyAsymmetry
+        A result of :func:`query_key_asymmetry`.
+
+    Returns
+    -------
+    str
+        One row per matrix, then ``max |softmax(S) - softmax(Sᵀ)ᵀ|`` and the norms of
+        ``Σ_i dL/dQ_i`` and ``Σ_j dL/dK_j``.
+    """
     ds = r.grad_scores
     rows = [
         [
@@ -219,7 +293,19 @@ def _matrix_text(name: str, m: np.ndarray) -> str:
 
 
 def table_worked_example(r: WorkedExample) -> str:
-    """Every intermediate matrix, then each published figure against the exact value."""
+    """Every intermediate matrix, then each published figure against the exact value.
+
+    Parameters
+    ----------
+    r : WorkedExample
+        A result of :func:`worked_example`.
+
+    Returns
+    -------
+    str
+        The four matrices, a table with one row per published figure and its verdict
+        (``ok`` or ``WRONG``), then the number of wrong figures.
+    """
     parts = [
         _matrix_text("Q Kᵀ", r.scores),
         _matrix_text("Q Kᵀ / sqrt(2)", r.scaled),
@@ -251,6 +337,17 @@ def pattern_text(weights: np.ndarray) -> str:
     A 3-D ``(H, L, S)`` array is drawn head by head, side by side, followed by the groups of
     heads whose weights are identical (``0=1`` when heads 0 and 1 agree exactly).
 
+    Parameters
+    ----------
+    weights : numpy.ndarray, shape (L, S) or (H, L, S)
+        Attention weights; exact zeros are the keys a query does not attend.
+
+    Returns
+    -------
+    str
+        One line per query with one symbol per key (heads side by side), then, for 3-D
+        ``weights``, the line of head groups.
+
     Examples
     --------
     >>> print(pattern_text(np.array([[1.0, 0.0], [0.5, 0.5]])))
@@ -275,5 +372,17 @@ def pattern_text(weights: np.ndarray) -> str:
 
 
 def table_patterns(panels: Sequence[WeightsPanel]) -> str:
-    """The pattern of every panel (rows: queries, columns: keys)."""
+    """The pattern of every panel (rows: queries, columns: keys).
+
+    Parameters
+    ----------
+    panels : sequence of WeightsPanel
+        Panels such as those of :func:`attention_patterns`.
+
+    Returns
+    -------
+    str
+        For each panel its title and call on one line, then its :func:`pattern_text`;
+        panels are separated by a blank line.
+    """
     return "\n\n".join(f"{p.title}   [{p.call}]\n{pattern_text(p.weights)}" for p in panels)

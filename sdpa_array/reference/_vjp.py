@@ -46,14 +46,24 @@ def scaled_dot_product_attention_vjp(
         As in :func:`scaled_dot_product_attention`.
     grad_output : array_like
         Cotangent ``dO`` of the output, same shape as the output ``(..., Hq, L, Ev)``.
-    mask, bias, is_causal, window, alignment, softcap, enable_gqa
+    mask, bias, is_causal, window, alignment
         As in :func:`scaled_dot_product_attention`.
     scale : float or 0-d array, optional
         As in :func:`scaled_dot_product_attention`. Given as an array (anything with a
         ``shape`` other than a NumPy scalar) it gets a gradient, ``grad_scale``.
+    softcap, enable_gqa
+        As in :func:`scaled_dot_product_attention`.
     query_lengths, key_lengths, segment_ids
         As in :func:`scaled_dot_product_attention`. Padded queries and excluded keys get
         no gradient and pass none on.
+    sinks : array_like, optional
+        As in :func:`scaled_dot_product_attention`; given, they get a gradient,
+        ``grad_sinks``.
+    dropout_p : float, default 0.0
+        As in :func:`scaled_dot_product_attention`: the gradients are those of the forward
+        call with the same arguments, dropout mask included.
+    dropout_seed : int, optional
+        As in :func:`scaled_dot_product_attention`; required when ``dropout_p > 0``.
     mask_mod, bias_mod : callable, optional
         As in :func:`scaled_dot_product_attention`. They hold no trainable parameters and
         get no gradient; keys they exclude pass none on.

@@ -168,7 +168,10 @@ def _nothing() -> None:
 class Backend:
     """One array library on one device.
 
-    Attributes
+    The entries of :data:`BACKENDS` are the instances; each parameter is the field of the
+    same name.
+
+    Parameters
     ----------
     id : str
         Readable id used on the command line and in test ids: ``numpy``, ``strict``,
@@ -183,8 +186,20 @@ class Backend:
         The ``pip install sdpa_array[extra]`` name that installs it.
     nox_session : str
         The nox session that tests it.
-    needs_gpu : bool
+    needs_gpu : bool, default False
         Whether it needs a CUDA device.
+    _present : callable, optional
+        ``_present(device) -> bool``: whether the device is present, asked once the library
+        is known to be installed. Default: always present.
+    _convert : callable or None, default None
+        ``_convert(a, dtype, device)``: the backend's array of NumPy array ``a``, with the
+        dtype name ``dtype``, on ``device``. ``None``: the module's ``asarray`` (Dask's
+        ``from_array``, in one chunk).
+    _sync : callable, optional
+        ``_sync(x)``: block until the work that produced ``x`` has finished. Default: return
+        at once.
+    _configure : callable, optional
+        ``_configure()``: apply the settings of :meth:`configure`. Default: nothing.
     """
 
     id: str
@@ -207,11 +222,24 @@ class Backend:
         return self.module.split(".")[0]
 
     def is_installed(self) -> bool:
-        """Whether the backend's library can be imported (without importing it)."""
+        """Whether the backend's library can be imported (without importing it).
+
+        Returns
+        -------
+        bool
+            Whether :func:`importlib.util.find_spec` finds :attr:`library`.
+        """
         return importlib.util.find_spec(self.library) is not None
 
     def is_available(self) -> bool:
-        """Whether the library imports and the device is present (changes no setting)."""
+        """Whether the library imports and the device is present (changes no setting).
+
+        Returns
+        -------
+        bool
+            ``True`` if the library is installed and the device check says present;
+            ``False`` also when that check raises.
+        """
         if not self.is_installed():
             return False
         try:
@@ -229,7 +257,14 @@ class Backend:
         self._configure()
 
     def namespace(self) -> ModuleType:
-        """Import and return the backend's array module, configured for exact tests.
+        """Import and return the backend's array module.
+
+        It changes no setting: :meth:`configure` does.
+
+        Returns
+        -------
+        module
+            The module named by :attr:`module` (``jax.numpy``, ``array_api_strict``...).
 
         Raises
         ------
@@ -244,7 +279,29 @@ class Backend:
         return importlib.import_module(self.module)
 
     def asarray(self, a: Any, dtype: str | None = None) -> Any:
-        """Copy NumPy data ``a`` onto this backend's device with the given dtype name."""
+        """Copy NumPy data ``a`` onto this backend's device with the given dtype name.
+
+        Parameters
+        ----------
+        a : array_like
+            The data, read with :func:`numpy.asarray`.
+        dtype : str, optional
+            Dtype name on the backend (``"float32"``, ``"bfloat16"``, ``"bool"``...);
+            default: the dtype of ``a``. Boolean data gives a boolean array whatever the
+            dtype.
+
+        Returns
+        -------
+        array
+            An array of the backend's library on its device.
+
+        Raises
+        ------
+        ValueError
+            If ``a`` holds floats and ``dtype`` is not one of :attr:`dtypes`.
+        BackendUnavailable
+            If the library or the device is absent.
+        """
         arr = np.asarray(a)
         dtype = dtype or str(arr.dtype)
         if dtype not in self.dtypes and arr.dtype.kind == "f":
@@ -258,7 +315,13 @@ class Backend:
         return convert(arr, dtype, self.device)
 
     def synchronize(self, x: Any) -> None:
-        """Block until the work that produced ``x`` has finished (GPU timing)."""
+        """Block until the work that produced ``x`` has finished (GPU timing).
+
+        Parameters
+        ----------
+        x : array
+            An array of this backend (a Dask array is computed).
+        """
         self._sync(x)
 
 
@@ -353,6 +416,16 @@ BACKENDS: tuple[Backend, ...] = (
 def get_backend(backend_id: str) -> Backend:
     """Return the registered backend called ``backend_id``.
 
+    Parameters
+    ----------
+    backend_id : str
+        Its :attr:`Backend.id`, e.g. ``"numpy"`` or ``"torch:cuda"``.
+
+    Returns
+    -------
+    Backend
+        The entry of :data:`BACKENDS` with that id (whether available or not).
+
     Raises
     ------
     ValueError
@@ -366,5 +439,12 @@ def get_backend(backend_id: str) -> Backend:
 
 
 def available_backends() -> list[Backend]:
-    """Backends whose library and device are present on this machine."""
+    """Backends whose library and device are present on this machine.
+
+    Returns
+    -------
+    list of Backend
+        The entries of :data:`BACKENDS` whose :meth:`Backend.is_available` is true, in
+        their order.
+    """
     return [b for b in BACKENDS if b.is_available()]
