@@ -1,11 +1,19 @@
 """Collection settings for the doctests of the package (``--doctest-modules sdpa_array``).
 
-``sdpa_array/_api/torch_module.py`` defines a torch module and imports torch, which is
-optional: where torch is not installed, its doctests are not collected.
+Modules that import an optional framework at their top are not collected where it is not
+installed: ``sdpa_array/_api/torch_module.py`` (torch) and the integrations
+(``sdpa_array/integrations/transformers.py``: torch and transformers).
 """
 
 import importlib.util
 
-collect_ignore = []
-if importlib.util.find_spec("torch") is None:
-    collect_ignore.append("sdpa_array/_api/torch_module.py")
+NEEDS = {
+    "sdpa_array/_api/torch_module.py": ("torch",),
+    "sdpa_array/integrations/transformers.py": ("torch", "transformers"),
+}
+
+collect_ignore = [
+    path
+    for path, modules in NEEDS.items()
+    if any(importlib.util.find_spec(m) is None for m in modules)
+]

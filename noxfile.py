@@ -36,11 +36,22 @@ TEST_SESSIONS = {
     # The Triton kernels under triton's interpreter, on CPU torch tensors (tests/test_triton.py;
     # TRITON_INTERPRET=1 is set for this session only).
     "tests-triton": ("torch", "test,triton", [TORCH], True),
+    # The integrations with other frameworks (their tests, with the frameworks installed).
+    "tests-integrations": ("torch", "test,transformers", [TORCH], True),
     # Need an NVIDIA GPU: not run by default.
     "tests-cupy": ("cupy", "test,cupy", [], False),
     "tests-cuda": ("torch:cuda", "test,triton", ["torch"], False),
 }
 
+
+#: Sessions that run only some test files (by default), and those files.
+SESSION_FILES = {
+    "tests-integrations": [
+        "--doctest-modules",
+        "sdpa_array/integrations",
+        "tests/test_integrations_transformers.py",
+    ],
+}
 
 #: Sessions that run triton's interpreter, and the test files they run (by default).
 INTERPRETED_SESSIONS = {
@@ -96,6 +107,7 @@ def _define_test_session(
             *select,
             *targets,
             *(INTERPRETED_SESSIONS.get(name, []) if not session.posargs else []),
+            *(SESSION_FILES.get(name, []) if not session.posargs else []),
             *session.posargs,
             env=env,
         )
@@ -122,8 +134,8 @@ def _lowest(requirements: list[str]) -> list[str]:
 @nox.session(name="tests-min-deps")
 def tests_min_deps(session: nox.Session) -> None:
     """Run the NumPy tests (not slow) with every dependency, and the test extra, at the
-    lowest version pyproject.toml declares (this session's Python: 3.10 where nox finds
-    it, else the interpreter running nox)."""
+    lowest version pyproject.toml declares, on the interpreter running nox (the oldest
+    supported Python, 3.10, is not checked here)."""
     import tomllib
 
     project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
@@ -153,7 +165,7 @@ def docs(session: nox.Session) -> None:
     """Build the Sphinx site with warnings as errors (torch for the page of
     ``sdpa_array.MultiheadAttention``, a torch module)."""
     session.install(TORCH)
-    session.install("-e", ".[docs,plot,test]")
+    session.install("-e", ".[docs,plot,test,transformers]")
     session.run(
         "sphinx-build",
         "-W",

@@ -2,7 +2,7 @@
 
 * torch tensors with ``requires_grad``, for every implementation (the blocked one through
   its ``torch.autograd.Function``), against the float64 oracle's VJP within the bound of
-  :func:`sdpa_array.testing.bounds.vjp_oracle_and_bounds`;
+  :func:`sdpa_array.testing.vjp_bounds.vjp_oracle_and_bounds`;
 * ``jax.grad`` (eager and under ``jax.jit``), the blocked path through its
   ``jax.custom_vjp``, against the same oracle;
 * the log-sum-exp output's gradient, what the blocked path saves for backward (``O(block)``,

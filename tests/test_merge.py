@@ -34,7 +34,7 @@ parts are given exactly (the merge alone: the oracle receives the rounded parts)
 ``e_out = e_lse = 0``.
 
 The gradients are those of the same attention call, so
-:func:`~sdpa_array.testing.bounds.vjp_oracle_and_bounds` gives the oracle and an element-wise
+:func:`~sdpa_array.testing.vjp_bounds.vjp_oracle_and_bounds` gives the oracle and an element-wise
 bound for the outputs' cotangent; the log-sum-exp's cotangent ``g_lse`` adds ``g_lse * P_i``
 to the gradient of ``lse_i``, with ``P_i = w_i / sum_j w_j`` (the weights, off by at most
 ``output_bound(dtype, S=n, ds, v_max=1, out_max=1)``) and one rounding ``u_c`` of the sum.

@@ -3,7 +3,7 @@
 * the forward pass with a 0-d ``scale`` array against the oracle, on every backend, dtype and
   implementation;
 * the VJP returns ``grad_scale`` (0-d, the scale's dtype) within the bound derived in
-  :func:`sdpa_array.testing.bounds.vjp_oracle_and_bounds`;
+  :func:`sdpa_array.testing.vjp_bounds.vjp_oracle_and_bounds`;
 * autograd reaches it: torch ``requires_grad`` and ``jax.grad`` (also under ``jax.jit``)
   against the oracle; ``torch.autograd.gradcheck`` and, where torch has a second
   derivative, ``gradgradcheck`` (double backward) in float64; ``torch.func.grad`` and

@@ -58,9 +58,9 @@ from sdpa_array.testing.bounds import (
     lse_bound,
     output_bound,
     score_error,
-    vjp_oracle_and_bounds,
     weights_from_lse_bound,
 )
+from sdpa_array.testing.vjp_bounds import vjp_oracle_and_bounds
 from tests.conftest import _parametrize, selected_backends
 
 

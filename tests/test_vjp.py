@@ -2,7 +2,7 @@
 
 * against the float64 oracle :func:`sdpa_array.reference.scaled_dot_product_attention_vjp`
   (which forms the softmax Jacobian explicitly) within the element-wise bound derived in
-  :func:`sdpa_array.testing.bounds.vjp_oracle_and_bounds`;
+  :func:`sdpa_array.testing.vjp_bounds.vjp_oracle_and_bounds`;
 * against central finite differences of the library's own forward pass, in float64, for
   every feature;
 * against torch's autograd of ``torch.nn.functional.scaled_dot_product_attention`` in

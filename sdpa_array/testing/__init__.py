@@ -31,8 +31,8 @@ from .bounds import (
     lse_bound,
     output_bound,
     score_error,
-    vjp_oracle_and_bounds,
 )
+from .vjp_bounds import vjp_oracle_and_bounds
 
 __all__ = [
     "BACKENDS",

@@ -23,8 +23,8 @@ from .bounds import (
     output_bound,
     scale_is_array,
     score_error,
-    vjp_oracle_and_bounds,
 )
+from .vjp_bounds import vjp_oracle_and_bounds
 
 __all__ = [
     "assert_array_like",
@@ -37,7 +37,24 @@ __all__ = [
 
 
 def assert_array_like(actual: Array, like: Array, *, shape: tuple[int, ...], dtype: Any) -> None:
-    """Check library, array type, shape, dtype and device of ``actual`` against ``like``."""
+    """Check library, array type, shape, dtype and device of ``actual`` against ``like``.
+
+    Parameters
+    ----------
+    actual : array
+        The array to check.
+    like : array
+        An array of the expected type, library and device.
+    shape : tuple of int
+        The expected shape.
+    dtype : dtype
+        The expected dtype, a dtype object of the library (compared with ``==``).
+
+    Raises
+    ------
+    AssertionError
+        Naming what differs.
+    """
     assert type(actual) is type(like), f"array type {type(actual)} != {type(like)}"
     assert array_namespace({"a": actual}) is array_namespace({"b": like})
     assert tuple(actual.shape) == tuple(shape), f"shape {tuple(actual.shape)} != {shape}"
@@ -46,7 +63,27 @@ def assert_array_like(actual: Array, like: Array, *, shape: tuple[int, ...], dty
 
 
 def assert_close(actual: Array, expected: np.ndarray, bound: float, what: str = "out") -> None:
-    """Compare on the host: same shape, identical non-finite pattern, error within ``bound``."""
+    """Compare on the host: same shape, identical non-finite pattern, error within ``bound``.
+
+    ``actual`` must have no NaN, and infinities exactly where ``expected`` has them, with
+    the same signs.
+
+    Parameters
+    ----------
+    actual : array
+        The result, of any library; compared as a float64 NumPy copy.
+    expected : numpy.ndarray
+        The oracle's value (float64).
+    bound : float
+        Largest allowed absolute error over the finite entries of ``expected``.
+    what : str, default "out"
+        Name of the result in the failure messages.
+
+    Raises
+    ------
+    AssertionError
+        Naming ``what`` and what differs (shape, NaN, non-finite entries, largest error).
+    """
     got = reference.to_numpy(actual).astype(np.float64)
     assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
     assert not np.isnan(got).any(), f"{what}: NaN in result"
@@ -60,7 +97,24 @@ def assert_close(actual: Array, expected: np.ndarray, bound: float, what: str = 
 
 
 def assert_within(actual: Array, expected: np.ndarray, bound: np.ndarray, what: str) -> None:
-    """Element-wise ``|actual - expected| <= bound`` on the host, with no NaN anywhere."""
+    """Element-wise ``|actual - expected| <= bound`` on the host, with no NaN anywhere.
+
+    Parameters
+    ----------
+    actual : array
+        The result, of any library; compared as a float64 NumPy copy.
+    expected : numpy.ndarray
+        The oracle's value (float64).
+    bound : numpy.ndarray
+        Bound of each entry's absolute error, same shape as ``expected``.
+    what : str
+        Name of the result in the failure messages.
+
+    Raises
+    ------
+    AssertionError
+        Naming ``what``, the number of entries over their bound and the worst of them.
+    """
     got = reference.to_numpy(actual).astype(np.float64)
     assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
     assert not np.isnan(got).any(), f"{what}: NaN in result"
@@ -191,7 +245,7 @@ def assert_vjp_close_to_oracle(
 
     Each gradient must have its input's library, array type, shape, dtype and device, and
     every entry must be within the element-wise bound of
-    :func:`~sdpa_array.testing.bounds.vjp_oracle_and_bounds`. ``fused`` says the backward
+    :func:`~sdpa_array.testing.vjp_bounds.vjp_oracle_and_bounds`. ``fused`` says the backward
     ran a fused kernel in the inputs' dtype (:attr:`sdpa_array.Explanation.vjp_fused`):
     the bound then has the ``base2`` and ``rounded_operands`` terms.
 

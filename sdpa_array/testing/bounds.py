@@ -22,8 +22,8 @@ same bound with ``max|v| = 1``; the log-sum-exp is off by at most ``|ds| + (S + 
 |lse|)``. Both are first-order worst-case bounds (no statistical averaging), so a test that
 exceeds them has found a real error, not noise.
 
-The gradients' bounds (:func:`vjp_oracle_and_bounds`) follow the same steps through the
-backward pass; its docstring writes them out.
+The gradients' bounds (:func:`sdpa_array.testing.vjp_bounds.vjp_oracle_and_bounds`) follow
+the same steps through the backward pass; its docstring writes them out.
 
 Fused GPU kernels (the Triton implementation) differ from this model in two ways, each a
 keyword of the functions below that adds its own derived terms and changes nothing when
@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 
-from .. import reference
 from ..reference._mods import evaluate_mod, index_grids
 
 __all__ = [
@@ -57,7 +56,6 @@ __all__ = [
     "output_bound",
     "scale_is_array",
     "score_error",
-    "vjp_oracle_and_bounds",
     "weights_from_lse_bound",
 ]
 
@@ -70,7 +68,23 @@ UNIT_ROUNDOFF = {
 
 
 def dtype_name(x: Any) -> str:
-    """The name of an array's floating dtype (``"float32"``, ``"bfloat16"``...)."""
+    """The name of an array's floating dtype (``"float32"``, ``"bfloat16"``...).
+
+    Parameters
+    ----------
+    x : array
+        An array of any library.
+
+    Returns
+    -------
+    str
+        ``"float16"``, ``"bfloat16"``, ``"float32"`` or ``"float64"``.
+
+    Raises
+    ------
+    TypeError
+        If the dtype is none of these.
+    """
     name = str(x.dtype).rsplit(".", 1)[-1].strip("'>")
     if name not in UNIT_ROUNDOFF:
         raise TypeError(f"not a floating dtype the bounds know: {x.dtype}")
@@ -83,7 +97,18 @@ def scale_is_array(scale: Any) -> bool:
 
 
 def compute_dtype(dtype: str) -> str:
-    """Dtype in which scores and softmax run for inputs of ``dtype`` (at least float32)."""
+    """Dtype in which scores and softmax run for inputs of ``dtype`` (at least float32).
+
+    Parameters
+    ----------
+    dtype : str
+        Name of the inputs' dtype.
+
+    Returns
+    -------
+    str
+        ``"float64"`` for float64 inputs, ``"float32"`` for the others.
+    """
     return "float64" if dtype == "float64" else "float32"
 
 
@@ -168,6 +193,30 @@ def score_error(
     ``base2``: the score is also multiplied by ``fl(log2(e))`` (``2 u_c |s|``, with
     ``|s| <= scale * max sum |q||k|`` or ``softcap``, plus the biases), and a soft-cap's
     ``tanh`` is formed from ``exp2`` (:func:`base2_terms`' ``"softcap"``).
+
+    Parameters
+    ----------
+    dtype : str
+        Name of the inputs' dtype; the unit roundoff is that of its :func:`compute_dtype`.
+    q : numpy.ndarray, shape (..., L, E)
+        The queries the implementation received, as float64.
+    k : numpy.ndarray, shape (..., S, E)
+        The keys, likewise.
+    scale : float
+        The scores' scale.
+    bias : array_like, optional
+        The additive bias; its largest finite magnitude enters the bound.
+    softcap : float, optional
+        The soft-cap, if the call has one.
+    bias_mod_max : float, default 0.0
+        Largest finite ``|bias_mod|`` over the scores (0 without a ``bias_mod``).
+    base2 : bool, default False
+        Add the terms of a kernel that exponentiates in base 2 (see above).
+
+    Returns
+    -------
+    float
+        Bound of the absolute error ``|ds|`` of any one score.
     """
     u = UNIT_ROUNDOFF[compute_dtype(dtype)]
     E = q.shape[-1]
@@ -234,6 +283,28 @@ def output_bound(
     (:func:`operand_rounding`), and the row sum is at least 1 (the row's largest term is
     ``exp(0)``), so the output moves by at most ``(u_r + S eta) v_max`` more (``v_max``
     including dropout's ``1 / (1 - p)``).
+
+    Parameters
+    ----------
+    dtype : str
+        Name of the inputs' dtype, which is the output's.
+    S : int
+        Length of each softmax row: the keys, plus one with sinks.
+    ds : float
+        The score error of :func:`score_error`.
+    v_max : float
+        ``max|v|``, times dropout's ``1 / (1 - p)``; 1 (times it) for the weights.
+    out_max : float
+        ``max|out|`` of the oracle's result.
+    base2 : bool, default False
+        Add the terms of a softmax computed in base 2 (see above).
+    rounded_operands : bool, default False
+        Add the terms of probabilities rounded to ``dtype`` before ``P V`` (see above).
+
+    Returns
+    -------
+    float
+        Bound of the absolute error of every entry of ``out``.
     """
     u_c = UNIT_ROUNDOFF[compute_dtype(dtype)]
     u_o = UNIT_ROUNDOFF[dtype]
@@ -261,240 +332,29 @@ def weights_from_lse_bound(dtype: str, *, ds: float, lse_error: float, grow: flo
 
 
 def lse_bound(dtype: str, *, S: int, ds: float, lse_max: float, base2: bool = False) -> float:
-    """Error bound for the log-sum-exp (``base2``: plus :func:`base2_terms`' ``"lse"``)."""
+    """Error bound for the log-sum-exp (``base2``: plus :func:`base2_terms`' ``"lse"``).
+
+    Parameters
+    ----------
+    dtype : str
+        Name of the inputs' dtype.
+    S : int
+        Length of each softmax row: the keys, plus one with sinks.
+    ds : float
+        The score error of :func:`score_error`.
+    lse_max : float
+        Largest finite ``|lse|`` of the oracle's result.
+    base2 : bool, default False
+        Add the terms of a softmax computed in base 2.
+
+    Returns
+    -------
+    float
+        Bound of the absolute error of every finite log-sum-exp, ``ds + (S + 4) u_c (1 +
+        lse_max)`` without ``base2``.
+    """
     u_c = UNIT_ROUNDOFF[compute_dtype(dtype)]
     bound = ds + (S + 4) * u_c * (1 + lse_max)
     if base2:
         bound += base2_terms(dtype, S=S, lse_max=lse_max)["lse"]
     return bound
-
-
-def vjp_oracle_and_bounds(
-    dtype: str,
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    d_out: np.ndarray,
-    *,
-    mask: np.ndarray | None = None,
-    bias: np.ndarray | None = None,
-    base2: bool = False,
-    rounded_operands: bool = False,
-    grad_lse: np.ndarray | None = None,
-    **options: Any,
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """The oracle's gradients and an element-wise bound on any implementation's error.
-
-    The inputs (``q``, ``k``, ``v``, ``d_out``, ``bias``) are the already rounded float64
-    values that the implementation received, so the bound covers its arithmetic only. It is a
-    first-order worst-case bound, written out below with ``u`` the unit roundoff of the
-    compute dtype, ``u_o`` that of the gradients' dtype, ``ds`` the score error of
-    :func:`score_error` and ``|.|`` applied element-wise (all products of non-negative
-    arrays), following the steps of the backward pass.
-
-    * ``P``, from the tile's softmax or as ``exp(Z - lse)`` with the forward's ``lse`` (error
-      ``ds + (S + 4) u + u |lse|``): ``|dP_ij| <= eps P_ij + u [j admissible]`` with
-      ``eps = 3 ds + (2 S + 10) u + 2 u max|lse|``; the ``u`` term is the rounding of
-      ``Z - lse`` magnified by ``exp``, ``P |log P| <= 1/e``. Excluded keys are exact zeros.
-    * ``dP = dO Vᵀ``, a dot product of length ``Ev``: error ``(Ev + 2) u A`` with
-      ``A = |dO| |V|ᵀ``, which also bounds ``|dP|``.
-    * ``D = rowsum(P * dP)`` or ``rowsum(dO * O)`` (the same number; ``O`` carries the
-      forward's error): ``|D| <= W = rowsum(P A)`` and its error is at most
-      ``(eps + (S + Ev + 3) u) W + u rowsum(A [admissible])``.
-    * ``dZ = P * (dP - D)``, with ``R = A + W >= |dP - D|``: error
-      ``e_Z = e_P R + P ((Ev + 2) u A + e_D) + 2 u P R``, and ``|dZ| <= P R``.
-    * Soft-cap: ``dS = dZ * (1 - t²)`` with ``t = tanh(x)``, ``x = raw / softcap``; the error
-      of ``x`` is ``ds / softcap + u |x|``, and ``|d(1 - t²)/dx| <= 2``, so
-      ``e_S = e_Z (1 - t²) + P R (2 (ds / softcap + u |x|) + 4 u)``. Without it
-      ``e_S = e_Z``.
-    * ``dQ = scale dS K``, ``dK = scale dSᵀ Q``, ``dV = Pᵀ dO``, ``dBias = dZ``: the propagated
-      errors ``scale e_S |K|``, ``scale e_Sᵀ |Q|``, ``e_Pᵀ |dO|`` and ``e_Z``, plus the
-      rounding of sums of ``n`` terms, ``(n + 3) u`` times the same products of magnitudes
-      (``|dS| |K|``...), where ``n`` counts every term that ends up in one gradient entry: the
-      dot product's length (``S`` for ``dQ``, ``L`` for ``dK``/``dV``, 1 for ``dBias``) times
-      the number of broadcast batch entries and GQA heads summed into it.
-    * Finally the rounding to the gradient's dtype: ``u_o |gradient|``, plus half its
-      smallest subnormal for results that underflow (``2**-25`` for float16) where anything
-      was computed at all.
-
-    Rows with no admissible key, and keys no query attends, get a bound of exactly zero, so
-    their gradients must be exact zeros.
-
-    Dropout multiplies ``dP`` and ``P`` (for ``dV``) by ``M = keep / (1 - p)``, exactly up to
-    one rounding: ``A`` becomes ``A M`` (so ``W``, ``R`` and ``D`` include it) and ``dV``'s
-    terms use ``P M`` and ``e_P M``; the extra rounding is within the ``2 u`` of ``dZ``.
-
-    Sinks (``P`` then includes the sink's share ``p_sink = exp(sink - lse)`` in its row
-    sums): the sink's gradient is ``-Σ_i p_sink_i D_i`` over every row it reaches. With
-    ``p_sink`` off by ``eps p_sink + u`` (as ``P``), ``|D_i| <= W_i`` and ``D``'s error
-    ``e_D``, its bound is ``Σ_i ((eps p_sink_i + u) W_i + p_sink_i e_D_i)`` plus the rounding
-    of the sum of ``n`` terms (``L`` times the batch entries and heads summed into one sink),
-    ``(n + 3) u Σ_i p_sink_i W_i``, and ``u_o |dSinks|``.
-
-    Fused kernels (keywords, both off by default):
-
-    * ``base2``: the score error ``ds`` gets :func:`score_error`'s ``base2`` terms and the
-      relative error of ``P`` :func:`base2_terms`' ``"weights"`` (``eps`` grows by it).
-    * ``rounded_operands`` (:func:`operand_rounding`'s ``u_r``, ``eta``): the forward's
-      output ``O``, which ``D = rowsum(dO * O)`` reads, was rounded to the inputs' dtype
-      (``u_r |O|``) after a product with rounded probabilities (``u_r P + eta`` per weight,
-      see :func:`output_bound`); with ``|O| <= P |V|`` both move ``D`` by at most
-      ``u_r W``, and the subnormals by ``eta rowsum(A [admissible])``: ``e_D`` grows by
-      ``2 u_r W + eta rowsum(A [admissible])`` (and so ``e_Z``, ``dBias`` and ``dSinks``).
-      ``dV = (P M)ᵀ dO`` reads ``P M`` rounded: ``e_P M`` grows by ``u_r P M + eta
-      [admissible]``; ``dQ`` and ``dK`` read ``dS`` rounded: ``e_S`` grows by
-      ``u_r |dS| + eta [admissible]`` in them.
-
-    A cotangent ``h`` of the log-sum-exp (``grad_lse``, ``(..., Hq, L)``): since
-    ``d lse_i / d z_ij = P_ij`` (the softmax before dropout; ``p_sink_i`` for a sink), the
-    expected gradients gain those of ``dZ = P h`` (``dS = dZ`` times ``1 - tanh²`` under a
-    soft-cap, then ``dQ``, ``dK``, ``dBias``, ``dSinks = Σ_i p_sink_i h_i`` and ``dScale``
-    as above; ``dV`` gains nothing). An implementation folds it into ``D' = D - h``, so
-    ``|D'| <= W + |h|``: ``R = A + W + |h|`` bounds ``|dP - D'|``, the subtraction adds
-    ``u (W + |h|)`` to ``e_D``, and ``dSinks``' terms read ``W + |h|`` for ``W``.
-
-    When ``scale`` is an array, the oracle also returns ``dScale = Σ dS ⊙ (Q Kᵀ)``, which an
-    implementation forms as ``Σ Q ⊙ dQ / scale`` (or, through autodiff, as ``Σ dS ⊙ raw``
-    with ``raw = Q Kᵀ`` rounded: the same products, grouped differently). Its bound is the
-    propagated ``dQ`` bound ``Σ |Q| e_dQ / scale``, plus the rounding of the sum of
-    ``n = Q.size`` products and of ``raw`` (``(n + E + 3) u Σ |Q| m_dQ / scale``, with
-    ``m_dQ = scale |dS| |K|`` the magnitude ``dQ`` is a sum of), plus ``u_s |dScale|`` for
-    the rounding to the scale's dtype.
-
-    Returns
-    -------
-    (list of numpy.ndarray, list of numpy.ndarray)
-        The oracle's ``(dQ, dK, dV[, dBias][, dScale])`` and the bounds, in the same shapes.
-    """
-    softcap = options.get("softcap")
-    expected = list(
-        reference.scaled_dot_product_attention_vjp(q, k, v, d_out, mask=mask, bias=bias, **options)
-    )
-    scale_array = options.get("scale")
-    d_scale = expected.pop() if scale_is_array(scale_array) else None
-    d_sinks = expected.pop() if options.get("sinks") is not None else None
-    fwd = prep = reference.intermediates(q, k, v, mask=mask, bias=bias, **options)
-    u = UNIT_ROUNDOFF[compute_dtype(dtype)]
-    u_o = UNIT_ROUNDOFF[dtype]
-    underflow = {"float16": 2.0**-25, "bfloat16": 2.0**-134, "float32": 2.0**-150}.get(dtype, 0.0)
-    scale = prep["scale"]
-    L, S, Ev = q.shape[-2], k.shape[-2], v.shape[-1]
-    P = fwd["weights"]
-    admissible = fwd["allowed"].astype(np.float64)
-    finite_lse = fwd["lse"][np.isfinite(fwd["lse"])]
-    lse_max = float(np.max(np.abs(finite_lse))) if finite_lse.size else 0.0
-    extent = mod_bias_extent(options.get("bias_mod"), P.shape)
-    ds = score_error(dtype, q, k, scale, bias, softcap, extent, base2=base2)
-    eps = 3 * ds + (2 * S + 10) * u + 2 * u * lse_max
-    if base2:
-        eps += base2_terms(dtype, S=S, lse_max=lse_max)["weights"]
-    u_r, eta = operand_rounding(dtype) if rounded_operands else (0.0, 0.0)
-    dO = np.abs(d_out)
-    A = np.matmul(dO, np.swapaxes(np.abs(prep["v_rep"]), -1, -2))
-    keep = fwd["keep"] if fwd["keep"] is not None else 1.0
-    A = A * keep
-    W = np.sum(P * A, axis=-1, keepdims=True)
-    W_D = W  # bounds |D|, or |D - h| with a log-sum-exp cotangent h
-    if grad_lse is not None:
-        h = np.broadcast_to(np.asarray(grad_lse, dtype=np.float64), P.shape[:-1])[..., None]
-        W_D = W + np.abs(h)
-        expected, d_sinks, d_scale = _add_lse_cotangent(
-            expected, d_sinks, d_scale, h, fwd, q, k, bias, options
-        )
-    R = A + W_D
-    e_P = eps * P + u * admissible
-    e_D = (eps + (S + Ev + 3) * u) * W + u * np.sum(A * admissible, axis=-1, keepdims=True)
-    if grad_lse is not None:
-        e_D = e_D + u * W_D
-    if rounded_operands:
-        e_D = e_D + 2 * u_r * W + eta * np.sum(A * admissible, axis=-1, keepdims=True)
-    e_Z = e_P * R + P * ((Ev + 2) * u * A + e_D) + 2 * u * P * R
-    Z_abs = P * R
-    if softcap is not None:
-        x = np.abs(fwd["raw"]) / softcap
-        c = 1.0 - np.tanh(x) ** 2
-        e_S = e_Z * c + Z_abs * (2 * (ds / softcap + u * x) + 4 * u)
-        S_abs = Z_abs * c
-    else:
-        e_S, S_abs = e_Z, Z_abs
-    K, Q = np.abs(prep["k_rep"]), np.abs(prep["q"])
-    T = np.swapaxes
-    e_S_products, e_PM = e_S, e_P * keep
-    if rounded_operands:
-        e_S_products = e_S + u_r * S_abs + eta * admissible
-        e_PM = e_PM + u_r * P * keep + eta * admissible
-    terms = [
-        (scale * np.matmul(e_S_products, K), scale * np.matmul(S_abs, K), S, False),
-        (
-            scale * np.matmul(T(e_S_products, -1, -2), Q),
-            scale * np.matmul(T(S_abs, -1, -2), Q),
-            L,
-            True,
-        ),
-        (np.matmul(T(e_PM, -1, -2), dO), np.matmul(T(P * keep, -1, -2), dO), L, True),
-    ]
-    if bias is not None:
-        terms.append((e_Z, Z_abs, 1, False))
-    bounds, mags = [], []
-    inputs: list[np.ndarray] = [q, k, v] + ([bias] if bias is not None else [])
-    for (err, mag, length, per_kv_head), ref, x in zip(terms, expected, inputs, strict=True):
-        n = length * (mag.size // max(x.size, 1))  # terms summed into one entry
-        err = np.broadcast_to(err, mag.shape)
-        if per_kv_head:
-            err, mag = (reference.unrepeat_heads(a, prep["group"]) for a in (err, mag))
-        err, mag = reference.sum_to_shape(err, x.shape), reference.sum_to_shape(mag, x.shape)
-        bounds.append(err + (n + 3) * u * mag + u_o * np.abs(ref) + underflow * (err > 0))
-        mags.append(mag)
-    if d_sinks is not None:
-        shape = np.shape(options["sinks"])
-        p_sink = fwd["sink_weight"][..., None]
-        err = np.sum((eps * p_sink + u) * W_D + p_sink * e_D, axis=(-2, -1))
-        mag = np.sum(p_sink * W_D, axis=(-2, -1))
-        n = L * (mag.size // max(int(np.prod(shape)), 1))
-        err, mag = reference.sum_to_shape(err, shape), reference.sum_to_shape(mag, shape)
-        expected.append(d_sinks)
-        bounds.append(err + (n + 3) * u * mag + u_o * np.abs(d_sinks))
-    if d_scale is not None:
-        u_s = UNIT_ROUNDOFF[dtype_name(scale_array)]
-        q_abs = np.abs(q)
-        rounding = (q.size + q.shape[-1] + 3) * u * np.sum(q_abs * mags[0])
-        err = (np.sum(q_abs * bounds[0]) + rounding) / scale
-        expected.append(d_scale)
-        bounds.append(np.asarray(err + u_s * np.abs(d_scale)))
-    return expected, bounds
-
-
-def _add_lse_cotangent(
-    expected: list[np.ndarray],
-    d_sinks: np.ndarray | None,
-    d_scale: np.ndarray | None,
-    h: np.ndarray,
-    fwd: dict[str, Any],
-    q: np.ndarray,
-    k: np.ndarray,
-    bias: np.ndarray | None,
-    options: dict[str, Any],
-) -> tuple[list[np.ndarray], np.ndarray | None, np.ndarray | None]:
-    """The oracle's gradients plus those of ``sum(lse * h)`` (``h`` as ``(..., L, 1)``):
-    ``dZ = P h``, through the soft-cap, ``Q`` and ``K`` as every score gradient (float64)."""
-    softcap = options.get("softcap")
-    scale = fwd["scale"]
-    d_z = fwd["weights"] * h
-    d_s = d_z if softcap is None else d_z * (1.0 - np.tanh(fwd["raw"] / softcap) ** 2)
-    d_q = scale * np.matmul(d_s, fwd["k_rep"])
-    d_k = reference.unrepeat_heads(
-        scale * np.matmul(np.swapaxes(d_s, -1, -2), fwd["q"]), fwd["group"]
-    )
-    out = [
-        expected[0] + reference.sum_to_shape(d_q, q.shape),
-        expected[1] + reference.sum_to_shape(d_k, k.shape),
-        expected[2],
-    ]
-    if bias is not None:
-        out.append(expected[3] + reference.sum_to_shape(d_z, bias.shape))
-    if d_sinks is not None:
-        per_head = np.sum(fwd["sink_weight"] * h[..., 0], axis=-1)
-        d_sinks = d_sinks + reference.sum_to_shape(per_head, np.shape(options["sinks"]))
-    if d_scale is not None:
-        d_scale = d_scale + np.sum(d_s * fwd["raw"]) / scale
-    return out, d_sinks, d_scale

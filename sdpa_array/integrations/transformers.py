@@ -1,0 +1,172 @@
+"""Hugging Face transformers' models through :func:`sdpa_array.scaled_dot_product_attention`.
+
+:func:`register` adds :func:`attention_forward` to transformers' ``AttentionInterface``
+(and transformers' boolean mask builder to its ``AttentionMaskInterface``) under a name,
+so that a model loaded or built with ``attn_implementation=name`` (or switched with
+``model.set_attn_implementation(name)``) computes every attention layer with this library.
+
+>>> import torch
+>>> from transformers import LlamaConfig, LlamaForCausalLM
+>>> from sdpa_array.integrations.transformers import register
+>>> name = register()
+>>> config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+...                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+>>> model = LlamaForCausalLM(config).eval()
+>>> model.set_attn_implementation(name)
+>>> model(torch.tensor([[1, 2, 3]])).logits.shape
+torch.Size([1, 3, 64])
+
+What reaches the kernel: causal attention as ``is_causal`` where transformers leaves the
+mask out (no padding), else its boolean mask (True = attend, this library's polarity);
+an additive float mask as the boolean mask of its finite-above-minimum entries plus the
+rest as a bias (transformers fills masked entries with the dtype's minimum, which would
+make a fully masked row uniform instead of empty); GQA as ``enable_gqa``; ``scaling``,
+``softcap`` (Gemma 2) and ``s_aux`` sinks (gpt-oss); a T5-style ``position_bias`` as a
+bias; dropout (training only) with a seed drawn from torch's generator;
+``output_attentions`` as the weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import scaled_dot_product_attention
+
+__all__ = ["DEFAULT_NAME", "attention_forward", "register"]
+
+#: The name :func:`register` uses unless given another.
+DEFAULT_NAME = "array_attention"
+
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Register :func:`attention_forward` with transformers under ``name``.
+
+    Parameters
+    ----------
+    name : str
+        The ``attn_implementation`` name models will use; it must not be one of
+        transformers' own (``"sdpa"``, ``"eager"``, ``"flash_attention_2"``...).
+
+    Returns
+    -------
+    str
+        ``name``, for ``from_pretrained(..., attn_implementation=name)``.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is empty, not a string, or names one of transformers' own
+        implementations.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    builtin = {"sdpa", "eager", "flex_attention", "paged|eager"}
+    if not isinstance(name, str) or not name or name in builtin or name.startswith("flash"):
+        raise ValueError(
+            f"name must be a new attention implementation name, not one of transformers' "
+            f"own ({sorted(builtin)}, flash_attention_*); got {name!r}"
+        )
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def _mask_and_bias(
+    attention_mask: torch.Tensor | None, position_bias: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Transformers' mask (boolean, or additive with the dtype's minimum where masked) and
+    T5-style position bias as this library's boolean ``mask`` and float ``bias``."""
+    mask, bias = None, position_bias
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            mask = attention_mask
+        else:
+            lowest = torch.finfo(attention_mask.dtype).min
+            mask = attention_mask > lowest / 2
+            extra = torch.where(mask, attention_mask, torch.zeros((), dtype=attention_mask.dtype))
+            if bool(torch.any(extra != 0)):
+                bias = extra if bias is None else bias + extra
+    if bias is not None and bias.dtype != dtype:
+        bias = bias.to(dtype)
+    return mask, bias
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    position_bias: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One attention layer of a transformers model, computed by this library.
+
+    The signature of transformers' attention functions (``AttentionInterface``).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The calling attention layer (read for ``num_key_value_groups``, ``is_causal`` and
+        ``training``).
+    query : torch.Tensor, shape (B, Hq, L, E)
+        The layer's queries, heads first (as transformers hands them over).
+    key : torch.Tensor, shape (B, Hkv, S, E)
+        Its keys (the cache's, in generation), ``Hq`` a multiple of ``Hkv``.
+    value : torch.Tensor, shape (B, Hkv, S, Ev)
+        Its values.
+    attention_mask : torch.Tensor or None
+        Boolean (True = attend) or additive, broadcastable to ``(B, Hq, L, S)``.
+    dropout : float
+        Dropout probability on the weights (applied when the module is training).
+    scaling : float or None
+        Score scale (``1 / sqrt(E)`` when None).
+    is_causal : bool or None
+        Whether the layer is causal (the module's ``is_causal`` when None); used where no
+        mask is given and ``L > 1``, as transformers' ``sdpa`` does.
+    position_bias : torch.Tensor or None
+        Additive bias broadcastable to ``(B, Hq, L, S)`` (T5).
+    **kwargs
+        ``softcap`` (float), ``s_aux`` (sinks, shape ``(Hq,)``), ``output_attentions``
+        (bool); others are ignored, as transformers' own functions ignore them.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (B, L, Hq, E)
+        Contiguous, as transformers' layers expect.
+    weights : torch.Tensor or None
+        The attention weights ``(B, Hq, L, S)`` when ``output_attentions`` is true.
+    """
+    groups = int(getattr(module, "num_key_value_groups", 1) or 1)
+    L = int(query.shape[2])
+    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+    causal = bool(causal and attention_mask is None and L > 1)
+    mask, bias = _mask_and_bias(attention_mask, position_bias, query.dtype)
+    options: dict[str, Any] = {
+        "mask": mask,
+        "bias": bias,
+        "is_causal": causal,
+        "scale": scaling,
+        "enable_gqa": groups > 1,
+    }
+    if kwargs.get("softcap") is not None:
+        options["softcap"] = float(kwargs["softcap"])
+    if kwargs.get("s_aux") is not None:
+        options["sinks"] = kwargs["s_aux"]
+    if dropout and getattr(module, "training", False):
+        options["dropout_p"] = float(dropout)
+        options["dropout_seed"] = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
+    weights = None
+    if kwargs.get("output_attentions", False):
+        out, weights = scaled_dot_product_attention(
+            query, key, value, return_weights=True, **options
+        )
+    else:
+        out = scaled_dot_product_attention(query, key, value, **options)
+    return out.transpose(1, 2).contiguous(), weights
