@@ -1,8 +1,8 @@
 """Collection settings for the doctests of the package (``--doctest-modules sdpa_array``).
 
 Modules that import an optional framework at their top are not collected where it is not
-installed: ``sdpa_array/_api/torch_module.py`` (torch) and the integrations
-(``sdpa_array/integrations/transformers.py``: torch and transformers).
+installed: ``sdpa_array/_api/torch_module.py`` (torch) and the integrations (their
+examples need torch and transformers, or JAX and Flax).
 """
 
 import importlib.util
@@ -10,6 +10,7 @@ import importlib.util
 NEEDS = {
     "sdpa_array/_api/torch_module.py": ("torch",),
     "sdpa_array/integrations/transformers.py": ("torch", "transformers"),
+    "sdpa_array/integrations/flax.py": ("jax", "flax"),
 }
 
 collect_ignore = [

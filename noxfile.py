@@ -37,7 +37,7 @@ TEST_SESSIONS = {
     # TRITON_INTERPRET=1 is set for this session only).
     "tests-triton": ("torch", "test,triton", [TORCH], True),
     # The integrations with other frameworks (their tests, with the frameworks installed).
-    "tests-integrations": ("torch", "test,transformers", [TORCH], True),
+    "tests-integrations": ("torch", "test,transformers,flax", [TORCH], True),
     # Need an NVIDIA GPU: not run by default.
     "tests-cupy": ("cupy", "test,cupy", [], False),
     "tests-cuda": ("torch:cuda", "test,triton", ["torch"], False),
@@ -50,6 +50,7 @@ SESSION_FILES = {
         "--doctest-modules",
         "sdpa_array/integrations",
         "tests/test_integrations_transformers.py",
+        "tests/test_integrations_flax.py",
     ],
 }
 
