@@ -1,10 +1,10 @@
 """nox sessions: one test session per backend, lint, docs and benchmarks.
 
-``nox`` alone runs the CPU test sessions (without the tests marked ``slow``), the NumPy
-tests at the lowest declared dependency versions (``tests-min-deps``), ``lint``, ``docs``
-and ``build``; ``nox -s tests-slow`` runs the ``slow`` tests on every CPU backend;
-``nox -s tests-cupy`` and ``nox -s tests-cuda`` need a CUDA device, ``nox -s bench`` runs
-the asv suite.
+``nox`` alone runs the CPU test sessions (without the tests marked ``slow``), the
+integrations' tests, the NumPy tests at the lowest declared dependency versions
+(``tests-min-deps``), ``lint``, ``docs`` and ``build``; ``nox -s tests-slow`` runs the
+``slow`` tests on every CPU backend; ``nox -s tests-cupy``, ``nox -s tests-cuda`` and
+``nox -s tests-jax-cuda`` need a CUDA device; ``nox -s bench`` runs the asv suite.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ TEST_SESSIONS = {
     # Need an NVIDIA GPU: not run by default.
     "tests-cupy": ("cupy", "test,cupy", [], False),
     "tests-cuda": ("torch:cuda", "test,triton", ["torch"], False),
+    "tests-jax-cuda": ("jax:cuda", "test,jax", ["jax[cuda12]"], False),
 }
 
 
