@@ -13,6 +13,7 @@ from .._arrays.typing import Array
 from .._kernels.native import plan_native_vjp
 from .._plan.plan import Outputs, plan_forward, plan_vjp
 from .._problem.options import Options
+from .layout import check_layout, swap_heads_and_length
 
 __all__ = ["Explanation", "explain"]
 
@@ -74,6 +75,7 @@ def explain(
     implementation: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
+    layout: str = "BHLE",
     **options: Any,
 ) -> Explanation:
     """Which implementation a call of :func:`~sdpa_array.scaled_dot_product_attention` (and
@@ -84,7 +86,7 @@ def explain(
     ----------
     query, key, value : array
         As for :func:`~sdpa_array.scaled_dot_product_attention`.
-    return_weights, return_lse, implementation, block_q, block_k
+    return_weights, return_lse, implementation, block_q, block_k, layout
         As for :func:`~sdpa_array.scaled_dot_product_attention` (the VJP is explained with
         the same ``implementation`` where it has it, else ``"auto"``).
     **options
@@ -113,6 +115,9 @@ def explain(
       passed over: triton: auto uses the Triton kernels on a GPU only
     """
     given = Options.of(options, where="explain")
+    check_layout(layout, {"query": query, "key": key, "value": value})
+    if layout == "BLHE":  # planned as the call runs: heads first
+        query, key, value = swap_heads_and_length(query, key, value)
     outputs = Outputs.of(return_weights, return_lse)
     blocks = (block_q, block_k)
     plan = plan_forward(query, key, value, given, outputs, implementation, blocks)

@@ -10,15 +10,16 @@ and JAX autodiff where needed); :mod:`sdpa_array._kernels.result` casts and pack
 
 from __future__ import annotations
 
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
-from .._arrays.typing import Alignment, Array, BiasMod, ImplementationName, MaskMod
+from .._arrays.typing import Alignment, Array, BiasMod, ImplementationName, Layout, MaskMod
 from .._kernels.result import empty_result, finalize
 from .._plan import autograd as _autograd
 from .._plan.plan import Outputs, plan_forward
 from .._problem.options import Options
 from .._problem.problem import validate
 from .jax_eager import eager_jax, run_jitted
+from .layout import check_layout, swap_heads_and_length
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -51,6 +52,7 @@ def scaled_dot_product_attention(
     implementation: ImplementationName = ...,
     block_q: int | None = ...,
     block_k: int | None = ...,
+    layout: Layout = ...,
 ) -> Array: ...
 
 
@@ -82,6 +84,7 @@ def scaled_dot_product_attention(
     implementation: ImplementationName = ...,
     block_q: int | None = ...,
     block_k: int | None = ...,
+    layout: Layout = ...,
 ) -> tuple[Array, Array]: ...
 
 
@@ -113,6 +116,7 @@ def scaled_dot_product_attention(
     implementation: ImplementationName = ...,
     block_q: int | None = ...,
     block_k: int | None = ...,
+    layout: Layout = ...,
 ) -> tuple[Array, Array]: ...
 
 
@@ -144,6 +148,7 @@ def scaled_dot_product_attention(
     implementation: ImplementationName = ...,
     block_q: int | None = ...,
     block_k: int | None = ...,
+    layout: Layout = ...,
 ) -> tuple[Array, Array, Array]: ...
 
 
@@ -174,6 +179,7 @@ def scaled_dot_product_attention(
     implementation: ImplementationName = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
+    layout: Layout = "BHLE",
 ) -> Array | tuple[Array, ...]:
     r"""Scaled dot-product attention on any Array-API array library.
 
@@ -310,6 +316,12 @@ def scaled_dot_product_attention(
         Query and key block sizes of the blocked implementation. By default they are
         chosen from the shapes and dtype so that one score tile is about 1 MiB (key blocks
         up to 1024, the query block filling the rest).
+    layout : {"BHLE", "BLHE"}, default "BHLE"
+        How ``query``, ``key``, ``value`` and the output hold their axes: ``"BHLE"``
+        ``(..., H, L, E)``, or ``"BLHE"`` ``(..., L, H, E)`` (transformers', Flax's and
+        FlashAttention's layout), computed on views with the two axes swapped, not on
+        transposed copies. ``mask``, ``bias``, the weights and the log-sum-exp keep their
+        ``(..., H, L[, S])`` shapes in both.
 
     Returns
     -------
@@ -376,6 +388,20 @@ def scaled_dot_product_attention(
     )
     outputs = Outputs.of(return_weights, return_lse)
     flags = {"return_weights": outputs.weights, "return_lse": outputs.lse}
+    check_layout(layout, {"query": query, "key": key, "value": value})
+    if layout == "BLHE":  # computed heads-first on views, the output swapped back
+        keywords: dict[str, Any] = {
+            **options.keywords(),
+            **flags,
+            "implementation": implementation,
+            "block_q": block_q,
+            "block_k": block_k,
+        }
+        q, k, v = swap_heads_and_length(query, key, value)
+        result = scaled_dot_product_attention(q, k, v, **keywords)
+        if isinstance(result, tuple):
+            return (swap_heads_and_length(result[0])[0], *result[1:])
+        return swap_heads_and_length(result)[0]
     problem = None
     if eager_jax([query, key, value]):  # compiled whole, once per setup (after the checks)
         problem = validate(query, key, value, options)

@@ -9,13 +9,16 @@ inputs' shapes.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .._arrays.compat import array_namespace
-from .._arrays.typing import Alignment, Array, BiasMod, MaskMod, VJPImplementationName
+from .._arrays.typing import Alignment, Array, BiasMod, Layout, MaskMod, VJPImplementationName
 from .._kernels.result import finish_gradients, zero_gradients
 from .._plan.plan import plan_vjp
 from .._problem.options import Options
 from .._problem.problem import Problem, validate
 from .jax_eager import eager_jax, run_jitted
+from .layout import check_layout, swap_heads_and_length
 
 __all__ = ["scaled_dot_product_attention_vjp"]
 
@@ -71,6 +74,7 @@ def scaled_dot_product_attention_vjp(
     implementation: VJPImplementationName = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
+    layout: Layout = "BHLE",
 ) -> tuple[Array, ...]:
     r"""Gradients of :func:`scaled_dot_product_attention` for an output cotangent.
 
@@ -108,6 +112,9 @@ def scaled_dot_product_attention_vjp(
         large.
     block_q, block_k : int, optional
         Block sizes of the blocked implementation (chosen from the shapes by default).
+    layout : {"BHLE", "BLHE"}, default "BHLE"
+        As for :func:`scaled_dot_product_attention`: with ``"BLHE"``, ``query``, ``key``,
+        ``value``, ``grad_output`` and their gradients are ``(..., L, H, E)``.
 
     Returns
     -------
@@ -185,6 +192,19 @@ def scaled_dot_product_attention_vjp(
         mask_mod=mask_mod,
         bias_mod=bias_mod,
     )
+    check_layout(layout, {"query": query, "key": key, "value": value, "grad_output": grad_output})
+    if layout == "BLHE":  # computed heads-first on views, the gradients swapped back
+        calls: dict[str, Any] = {
+            "implementation": implementation,
+            "block_q": block_q,
+            "block_k": block_k,
+        }
+        grads = scaled_dot_product_attention_vjp(
+            *swap_heads_and_length(query, key, value, grad_output),
+            **options.keywords(),
+            **calls,
+        )
+        return (*swap_heads_and_length(*grads[:3]), *grads[3:])
     p = validate(query, key, value, options)
     _check_grad_output(p, query, grad_output)
     if p.L and p.S and eager_jax([query, key, value, grad_output]):  # compiled whole

@@ -15,6 +15,7 @@ __all__ = [
     "Array",
     "BiasMod",
     "ImplementationName",
+    "Layout",
     "MaskMod",
     "VJPImplementationName",
 ]
@@ -24,6 +25,11 @@ Array: TypeAlias = Any
 
 #: Where query ``i``'s diagonal sits when ``L != S``.
 Alignment: TypeAlias = Literal["top_left", "bottom_right"]
+
+#: How the inputs and outputs hold their axes: ``"BHLE"`` (batch..., heads, length,
+#: features), or ``"BLHE"`` (batch..., length, heads, features: transformers, Flax and
+#: FlashAttention's layout).
+Layout: TypeAlias = Literal["BHLE", "BLHE"]
 
 #: The ``implementation=`` choices of the forward pass.
 ImplementationName: TypeAlias = Literal[

@@ -11,13 +11,11 @@ linen's), so it is passed where Flax takes an attention function:
 >>> layer(jnp.ones((1, 5, 8))).shape
 (1, 5, 8)
 
-Flax holds ``(batch..., length, heads, features)``; the function moves the heads axis in
-front of the length for the library and back (a transpose XLA folds into the kernels'
-layouts under ``jit``). Masks attend where true (Flax's mask helpers give 0/1 floats,
-read as booleans), as in this library; a query
-row whose keys are all masked gets a zero output here, where Flax's own function gives the
-uniform average of the values. Key/value heads fewer than the query heads (``num_kv_heads``)
-run as grouped-query attention without repeating them.
+Flax holds ``(batch..., length, heads, features)``: the library's ``layout="BLHE"``.
+Masks attend where true (Flax's mask helpers give 0/1 floats, read as booleans), as in
+this library; a query row whose keys are all masked gets a zero output here, where Flax's
+own function gives the uniform average of the values. Key/value heads fewer than the
+query heads (``num_kv_heads``) run as grouped-query attention without repeating them.
 """
 
 from __future__ import annotations
@@ -107,14 +105,13 @@ def attention_fn(
         query, key, value = (x.astype(dtype) for x in (query, key, value))
     if mask is not None and mask.dtype != bool:  # Flax's mask helpers give 0/1 floats
         mask = mask != 0
-    q, k, v = (x.swapaxes(-3, -2) for x in (query, key, value))
-    out = scaled_dot_product_attention(
-        q,
-        k,
-        v,
+    return scaled_dot_product_attention(
+        query,
+        key,
+        value,
         mask=mask,
         bias=bias,
         is_causal=bool(is_causal),
-        enable_gqa=int(q.shape[-3]) != int(k.shape[-3]),
+        enable_gqa=int(query.shape[-2]) != int(key.shape[-2]),
+        layout="BLHE",
     )
-    return out.swapaxes(-3, -2)

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ._forward import forward_pass, validate_and_prepare
+from ._layout import heads_back, heads_first
 
 __all__ = ["intermediates", "scaled_dot_product_attention"]
 
@@ -36,6 +37,7 @@ def scaled_dot_product_attention(
     bias_mod: Callable[..., Any] | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
+    layout: str = "BHLE",
 ) -> np.ndarray | tuple[np.ndarray, ...]:
     """Reference scaled dot-product attention, computed in float64 NumPy.
 
@@ -109,11 +111,14 @@ def scaled_dot_product_attention(
         Also return the attention weights (after dropout), shape ``(..., Hq, L, S)``.
     return_lse : bool, default False
         Also return the log-sum-exp of the final scores, shape ``(..., Hq, L)``.
+    layout : {"BHLE", "BLHE"}, default "BHLE"
+        ``"BLHE"``: ``query``, ``key``, ``value`` and the output are ``(..., L, H, E)``
+        (the masks, bias, weights and log-sum-exp keep their shapes).
 
     Returns
     -------
     out : numpy.ndarray
-        float64, shape ``(..., Hq, L, Ev)``.
+        float64, shape ``(..., Hq, L, Ev)`` (``(..., L, Hq, Ev)`` with ``"BLHE"``).
     weights : numpy.ndarray
         Only if ``return_weights``.
     lse : numpy.ndarray
@@ -171,6 +176,7 @@ def scaled_dot_product_attention(
            [2.],
            [5.]])
     """
+    query, key, value = heads_first(layout, query, key, value)
     prep = validate_and_prepare(
         query,
         key,
@@ -192,9 +198,10 @@ def scaled_dot_product_attention(
         bias_mod=bias_mod,
     )
     fwd = forward_pass(prep, is_causal, window, alignment, softcap)
+    out = heads_back(layout, fwd["out"])
     if not (return_weights or return_lse):
-        return fwd["out"]
-    result = [fwd["out"]]
+        return out
+    result = [out]
     if return_weights:
         result.append(fwd["dropped"])
     if return_lse:

@@ -10,6 +10,7 @@ import numpy as np
 from ._adjoints import sum_to_shape, unrepeat_heads
 from ._convert import as_float64
 from ._forward import forward_pass, validate_and_prepare
+from ._layout import heads_back, heads_first
 
 __all__ = ["scaled_dot_product_attention_vjp"]
 
@@ -37,6 +38,7 @@ def scaled_dot_product_attention_vjp(
     dropout_seed: int | None = None,
     mask_mod: Callable[..., Any] | None = None,
     bias_mod: Callable[..., Any] | None = None,
+    layout: str = "BHLE",
 ) -> tuple[np.ndarray, ...]:
     """Reference vector-Jacobian product of :func:`scaled_dot_product_attention`.
 
@@ -67,6 +69,9 @@ def scaled_dot_product_attention_vjp(
     mask_mod, bias_mod : callable, optional
         As in :func:`scaled_dot_product_attention`. They hold no trainable parameters and
         get no gradient; keys they exclude pass none on.
+    layout : {"BHLE", "BLHE"}, default "BHLE"
+        As in :func:`scaled_dot_product_attention`; with ``"BLHE"`` ``grad_output`` and
+        the three gradients are ``(..., L, H, E)`` too.
 
     Returns
     -------
@@ -125,6 +130,7 @@ def scaled_dot_product_attention_vjp(
     >>> dscale
     array(0.)
     """
+    query, key, value, grad_output = heads_first(layout, query, key, value, grad_output)
     prep = validate_and_prepare(
         query,
         key,
@@ -183,9 +189,9 @@ def scaled_dot_product_attention_vjp(
     d_k_rep = scale_ * np.matmul(np.swapaxes(d_raw, -1, -2), q)  # (..., Hq, S, E)
 
     grads = [
-        sum_to_shape(d_q, prep["q"].shape),
-        sum_to_shape(unrepeat_heads(d_k_rep, prep["group"]), prep["k"].shape),
-        sum_to_shape(unrepeat_heads(d_v_rep, prep["group"]), prep["v"].shape),
+        heads_back(layout, sum_to_shape(d_q, prep["q"].shape)),
+        heads_back(layout, sum_to_shape(unrepeat_heads(d_k_rep, prep["group"]), prep["k"].shape)),
+        heads_back(layout, sum_to_shape(unrepeat_heads(d_v_rep, prep["group"]), prep["v"].shape)),
     ]
     if prep["bias"] is not None:
         grads.append(sum_to_shape(d_Z, prep["bias"].shape))
