@@ -1,4 +1,5 @@
-"""GPU history: forward and VJP on torch CUDA and CuPy, as TFLOP/s and ratios.
+"""GPU history: forward and VJP on torch CUDA and CuPy (and JAX's forward), as TFLOP/s
+and ratios.
 
 Every parameter combination is skipped (``NotImplementedError`` in ``setup``) where its
 library or GPU is absent, so the suite runs unchanged on a CPU-only machine. On a GPU::
@@ -137,6 +138,61 @@ def _torch_backward(backend: Any, q: Any, k: Any, v: Any, g: Any, causal: bool) 
     return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
 
 
+#: JAX's GPU backends (``SDPA_BENCH_JAX_GPU_BACKENDS`` replaces them, e.g. with ``jax`` to
+#: try the rows on a CPU, where the peer is JAX's XLA path instead of cuDNN).
+JAX_GPU_BACKENDS = os.environ.get("SDPA_BENCH_JAX_GPU_BACKENDS", "jax:cuda").split(",")
+JAX_IMPLEMENTATIONS = [
+    i for i in ["auto", "native", "materialized", "blocked"] if i in GPU_IMPLEMENTATIONS
+]
+
+
+@functools.cache
+def _measure_jax(backend_id: str, impl: str, dtype: str, shape_text: str) -> dict:
+    """Issue 29's figures: our call under ``jax.jit``, JAX's cuDNN attention (the peer;
+    XLA's off a GPU), the two bare products under ``jit`` (the GEMM bound) and our call
+    without ``jit`` (eager), interleaved."""
+    backend = backend_for(backend_id, dtype)
+    import jax
+
+    # backend_for pins the highest matmul precision for exact tests; time at JAX's default,
+    # as a user runs (and as the cuDNN peer computes)
+    jax.config.update("jax_default_matmul_precision", None)
+    shape = Shape.parse(shape_text)
+    if impl == "materialized" and shape.score_bytes(dtype) > MAX_SCORE_BYTES:
+        raise NotImplementedError("the materialized path would form too large a matrix")
+    q, k, v = make_inputs(backend, shape.dims, dtype)
+    causal = shape.causal
+    jnp = jax.numpy
+    peer_impl = "cudnn" if q.device.platform == "gpu" else None
+    qt, kt, vt = (jnp.swapaxes(x, -3, -2) for x in (q, k, v))
+    ours = jax.jit(
+        lambda a, b, c: scaled_dot_product_attention(a, b, c, is_causal=causal, implementation=impl)
+    )
+    peer = jax.jit(
+        lambda a, b, c: jax.nn.dot_product_attention(
+            a, b, c, is_causal=causal, implementation=peer_impl
+        )
+    )
+    bare = jax.jit(lambda a, b, c: (a @ jnp.swapaxes(b, -1, -2)) @ c)
+    candidates = {
+        "ours": lambda: ours(q, k, v),
+        "peer": lambda: peer(qt, kt, vt),
+        "bare": lambda: bare(q, k, v),
+        "eager": lambda: scaled_dot_product_attention(
+            q, k, v, is_causal=causal, implementation=impl
+        ),
+    }
+    try:
+        for fn in candidates.values():  # warm-up: compilation
+            backend.synchronize(_queued(fn)())
+    except (CannotDelegateError, CannotUseTritonError) as exc:
+        raise NotImplementedError(str(exc)) from exc
+    queued = {name: _queued(fn) for name, fn in candidates.items()}
+    rounds = interleaved_times(queued, backend.synchronize, ROUNDS, warmup=0)
+    medians = {name: statistics.median(times) / REPS for name, times in rounds.items()}
+    return {"flops": shape.flops, **medians}
+
+
 def _measured(*key: str) -> dict:
     """:func:`_measure`, once per asv run: asv runs each ``track_*`` benchmark in a process
     of its own, forked from one server process, so the measurement is kept in a file named
@@ -147,7 +203,7 @@ def _measured(*key: str) -> dict:
         kept = json.loads(path.read_text())
     else:
         try:
-            kept = _measure(*key)
+            kept = _measure_jax(*key[1:]) if key[0] == "jax" else _measure(*key)
         except NotImplementedError as exc:
             kept = {"skipped": str(exc)}
         folder.mkdir(exist_ok=True)
@@ -188,6 +244,31 @@ class GPUVJP(_Tracks):
     params = (GPU_BACKENDS, VJP_IMPLEMENTATIONS, GPU_DTYPES, GPU_SHAPES)
     param_names: ClassVar[list[str]] = ["backend", "implementation", "dtype", "shape"]
     timeout = 600
+
+
+class JAXGPUForward:
+    """Forward calls of JAX arrays on a GPU under ``jax.jit``, against JAX's cuDNN
+    attention (issue 29: ``auto`` at least 0.9 of it, eager within 2x of jitted, the
+    generic paths at least half of the GEMM bound)."""
+
+    params = (JAX_GPU_BACKENDS, JAX_IMPLEMENTATIONS, GPU_DTYPES, GPU_SHAPES)
+    param_names: ClassVar[list[str]] = ["backend", "implementation", "dtype", "shape"]
+    timeout = 600
+
+    def setup(self, backend_id: str, impl: str, dtype: str, shape_text: str) -> None:
+        self.m = _measured("jax", backend_id, impl, dtype, shape_text)
+
+    def track_tflops(self, *params: str) -> float:
+        return self.m["flops"] / self.m["ours"] / 1e12
+
+    def track_ratio_vs_jax_cudnn(self, *params: str) -> float:
+        return self.m["peer"] / self.m["ours"]
+
+    def track_gemm_bound_fraction(self, *params: str) -> float:
+        return self.m["bare"] / self.m["ours"]
+
+    def track_eager_over_jit(self, *params: str) -> float:
+        return self.m["eager"] / self.m["ours"]
 
 
 #: Decoding shapes: ``B x Hq x Hkv x tokens x E``, paged in pages of 256 tokens.
