@@ -91,6 +91,20 @@ def _queued(fn: Any) -> Any:
     return run
 
 
+def _interleaved_medians(backend: Any, candidates: dict[str, Any]) -> dict[str, float]:
+    """Seconds per call of each candidate: warmed up (compilation, autotuning, caches),
+    then :data:`ROUNDS` interleaved rounds of :data:`REPS` queued calls, the median. A
+    call the library refuses skips the combination (``NotImplementedError``)."""
+    try:
+        for fn in candidates.values():
+            backend.synchronize(_queued(fn)())
+    except (CannotDelegateError, CannotUseTritonError) as exc:
+        raise NotImplementedError(str(exc)) from exc
+    queued = {name: _queued(fn) for name, fn in candidates.items()}
+    rounds = interleaved_times(queued, backend.synchronize, ROUNDS, warmup=0)
+    return {name: statistics.median(times) / REPS for name, times in rounds.items()}
+
+
 @functools.cache
 def _measure(direction: str, backend_id: str, impl: str, dtype: str, shape_text: str) -> dict:
     """Interleaved medians of ours, the peer and (forward) the two bare products."""
@@ -116,14 +130,7 @@ def _measure(direction: str, backend_id: str, impl: str, dtype: str, shape_text:
             )
 
         candidates = {"ours": ours, "peer": _torch_backward(backend, q, k, v, g, causal)}
-    try:
-        for fn in candidates.values():  # warm-up: compilation, autotuning, caches
-            backend.synchronize(_queued(fn)())
-    except (CannotDelegateError, CannotUseTritonError) as exc:
-        raise NotImplementedError(str(exc)) from exc
-    queued = {name: _queued(fn) for name, fn in candidates.items()}
-    rounds = interleaved_times(queued, backend.synchronize, ROUNDS, warmup=0)
-    medians = {name: statistics.median(times) / REPS for name, times in rounds.items()}
+    medians = _interleaved_medians(backend, candidates)
     return {"flops": shape.flops * (2.5 if direction == "vjp" else 1.0), **medians}
 
 
@@ -182,15 +189,7 @@ def _measure_jax(backend_id: str, impl: str, dtype: str, shape_text: str) -> dic
             q, k, v, is_causal=causal, implementation=impl
         ),
     }
-    try:
-        for fn in candidates.values():  # warm-up: compilation
-            backend.synchronize(_queued(fn)())
-    except (CannotDelegateError, CannotUseTritonError) as exc:
-        raise NotImplementedError(str(exc)) from exc
-    queued = {name: _queued(fn) for name, fn in candidates.items()}
-    rounds = interleaved_times(queued, backend.synchronize, ROUNDS, warmup=0)
-    medians = {name: statistics.median(times) / REPS for name, times in rounds.items()}
-    return {"flops": shape.flops, **medians}
+    return {"flops": shape.flops, **_interleaved_medians(backend, candidates)}
 
 
 def _measured(*key: str) -> dict:
