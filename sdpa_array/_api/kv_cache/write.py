@@ -54,7 +54,9 @@ def _targets(c: CacheCall) -> tuple[Any, Any]:
     n: Array = xp.asarray(lengths, device=dev) if lengths is not None else c.lengths
     t = xp.reshape(n, (c.B, 1)) + xp.reshape(xp.arange(L, dtype=n.dtype, device=dev), (1, L))
     if not c.paged:  # sequence b is page b (built on the device: nothing copied there)
-        pages = xp.reshape(xp.arange(c.B, dtype=t.dtype, device=dev), (c.B, 1)) + 0 * t
+        pages = xp.broadcast_to(
+            xp.reshape(xp.arange(c.B, dtype=t.dtype, device=dev), (c.B, 1)), t.shape
+        )
     else:
         on_device = xp.asarray(table, device=dev) if table is not None else c.table
         pages = xp.stack([xp.take(on_device[b, :], t[b, :] // ps, axis=0) for b in range(c.B)])
@@ -71,21 +73,32 @@ def _in_place(c: CacheCall, cache: Array, new: Array) -> bool:
     return flags is None or bool(getattr(flags, "writeable", True))
 
 
+def _writable(c: CacheCall, cache: Array, new: Array) -> Array:
+    """``cache`` itself where it may be written into (:func:`_in_place`), else a copy."""
+    if _in_place(c, cache, new):
+        return cache
+    copy = _COPIERS.get(c.library)
+    return copy(cache) if copy is not None else c.xp.asarray(cache, copy=True)
+
+
+def _token_rows(c: CacheCall, new: Array) -> Array:
+    """The new tokens ``(B, Hkv, L, E)`` as ``(B * L, Hkv, E)``, sequence-major like the
+    targets of :func:`_targets`."""
+    xp = c.xp
+    return xp.reshape(xp.permute_dims(new, (0, 2, 1, 3)), (c.B * c.L, *new.shape[1:2], -1))
+
+
 def _write_one(c: CacheCall, cache: Array, new: Array) -> Array:
     xp, L = c.xp, c.L
     pages, rows = _targets(c)
     writer = _FUNCTIONAL_WRITERS.get(c.library)
     if writer is not None:
-        values = xp.reshape(xp.permute_dims(new, (0, 2, 1, 3)), (c.B * L, *new.shape[1:2], -1))
-        return writer(cache, pages, rows, values)
-    on_device = not isinstance(pages, np.ndarray)  # positions known on the device only
-    if on_device and c.library in _INDEXED_WRITES:
-        if not _in_place(c, cache, new):
-            cache = _COPIERS.get(c.library, lambda x: xp.asarray(x, copy=True))(cache)
-        values = xp.reshape(xp.permute_dims(new, (0, 2, 1, 3)), (c.B * L, *new.shape[1:2], -1))
-        cache[pages, :, rows, :] = values
-        return cache
-    if on_device:
+        return writer(cache, pages, rows, _token_rows(c, new))
+    if not isinstance(pages, np.ndarray):  # positions known on the device only
+        if c.library in _INDEXED_WRITES:
+            cache = _writable(c, cache, new)
+            cache[pages, :, rows, :] = _token_rows(c, new)
+            return cache
         grid_p = xp.reshape(xp.arange(cache.shape[0], device=c.device), (-1, 1, 1, 1))
         grid_r = xp.reshape(xp.arange(c.page_size, device=c.device), (1, 1, -1, 1))
         for n in range(c.B * L):
@@ -93,9 +106,7 @@ def _write_one(c: CacheCall, cache: Array, new: Array) -> Array:
             at = (grid_p == pages[n]) & (grid_r == rows[n])
             cache = xp.where(at, xp.expand_dims(new[b, :, i : i + 1, :], axis=0), cache)
         return cache
-    if not _in_place(c, cache, new):
-        copy = _COPIERS.get(c.library)
-        cache = copy(cache) if copy is not None else xp.asarray(cache, copy=True)
+    cache = _writable(c, cache, new)
     for b in range(c.B):  # runs of consecutive rows within one page
         i = 0
         while i < L:
