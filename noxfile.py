@@ -53,17 +53,16 @@ SESSION_FILES = {
         "tests/test_integrations_transformers.py",
         "tests/test_integrations_flax.py",
     ],
-}
-
-#: Sessions that run triton's interpreter, and the test files they run (by default).
-INTERPRETED_SESSIONS = {
     "tests-triton": [
         "tests/test_triton.py",
         "tests/test_triton_dispatch.py",
         "tests/test_triton_decode.py",
         "tests/test_dispatch_gpu.py",
-    ]
+    ],
 }
+
+#: Sessions that run triton's interpreter (``TRITON_INTERPRET=1``).
+INTERPRETED_SESSIONS = frozenset({"tests-triton"})
 
 #: Least line coverage (%) of the package by the NumPy session's tests (77 % measured in
 #: that session when the floor was set; the other libraries' and the GPU's paths are
@@ -108,7 +107,6 @@ def _define_test_session(
             "--durations=10",
             *select,
             *targets,
-            *(INTERPRETED_SESSIONS.get(name, []) if not session.posargs else []),
             *(SESSION_FILES.get(name, []) if not session.posargs else []),
             *session.posargs,
             env=env,

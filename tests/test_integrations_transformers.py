@@ -30,32 +30,29 @@ from sdpa_array.integrations.transformers import DEFAULT_NAME, register  # noqa:
 TOL = 100 * 64 * 2.0**-24
 
 
+#: The size every tiny model shares: 2 layers, 4 query heads over 2 key/value heads.
+TINY = {
+    "vocab_size": 97,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
 def _llama():
-    config = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
 
 
 def _gemma2():
     config = transformers.Gemma2Config(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY,
         head_dim=8,
         sliding_window=4,
         attn_logit_softcapping=0.3,  # small enough to bend these scores
         final_logit_softcapping=None,
-        max_position_embeddings=64,
     )
     model = transformers.Gemma2ForCausalLM(config)
     with torch.no_grad():  # scores of order one, so that the softcap bends them
@@ -67,17 +64,11 @@ def _gemma2():
 
 def _gpt_oss():
     config = transformers.GptOssConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **{**TINY, "intermediate_size": 32},
         head_dim=8,
         num_local_experts=2,
         num_experts_per_tok=1,
         sliding_window=4,
-        max_position_embeddings=64,
     )
     model = transformers.GptOssForCausalLM(config)
     with torch.no_grad():

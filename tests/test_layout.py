@@ -139,3 +139,28 @@ def test_bad_layouts_are_refused_before_any_work(layout, shape, match):
     ):
         with pytest.raises(ValueError, match=match):
             call()
+
+
+def test_torch_func_vmap_and_double_backward_through_blhe(torch_cpu_backend):
+    """``torch.func.grad`` equals autograd, ``torch.func.vmap`` equals a loop, and double
+    backward (``gradgradcheck``, float64, the materialized path) holds in ``"BLHE"``."""
+    torch = pytest.importorskip("torch")
+    q, k, v, _, _ = (torch_cpu_backend.asarray(a, "float64") for a in _case(4))
+
+    def attend(q, k, v):
+        return sdpa_array.scaled_dot_product_attention(
+            q, k, v, layout="BLHE", implementation="materialized", **OPTIONS
+        )
+
+    def loss(q):
+        return (attend(q, k, v) ** 2).sum()
+
+    leaf = q.detach().clone().requires_grad_()
+    expected = torch.autograd.grad(loss(leaf), leaf)[0]
+    torch.testing.assert_close(torch.func.grad(loss)(q), expected, rtol=0, atol=0)
+    stacked = torch.stack([q, 2 * q])
+    mapped = torch.func.vmap(lambda x: attend(x, k, v))(stacked)
+    for i in range(2):
+        torch.testing.assert_close(mapped[i], attend(stacked[i], k, v), rtol=0, atol=0)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    assert torch.autograd.gradgradcheck(attend, leaves)

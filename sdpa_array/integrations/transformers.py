@@ -20,10 +20,10 @@ What reaches the kernel: causal attention as ``is_causal`` where transformers le
 mask out (no padding), else its boolean mask (True = attend, this library's polarity);
 an additive float mask as the boolean mask of its finite-above-minimum entries plus the
 rest as a bias (transformers fills masked entries with the dtype's minimum, which would
-make a fully masked row uniform instead of empty); GQA as ``enable_gqa``; ``scaling``,
-``softcap`` (Gemma 2) and ``s_aux`` sinks (gpt-oss); a T5-style ``position_bias`` as a
-bias; dropout (training only) with a seed drawn from torch's generator;
-``output_attentions`` as the weights.
+make a fully masked row uniform instead of empty); fewer key/value heads than query heads
+as ``enable_gqa``; ``scaling``, ``softcap`` (Gemma 2) and ``s_aux`` sinks (gpt-oss); a
+T5-style ``position_bias`` as a bias; dropout (training only) with a seed drawn from
+torch's generator; ``output_attentions`` as the weights.
 """
 
 from __future__ import annotations
@@ -113,8 +113,7 @@ def attention_forward(
     Parameters
     ----------
     module : torch.nn.Module
-        The calling attention layer (read for ``num_key_value_groups``, ``is_causal`` and
-        ``training``).
+        The calling attention layer (read for ``is_causal`` and ``training``).
     query : torch.Tensor, shape (B, Hq, L, E)
         The layer's queries, heads first (as transformers hands them over).
     key : torch.Tensor, shape (B, Hkv, S, E)
@@ -143,7 +142,6 @@ def attention_forward(
     weights : torch.Tensor or None
         The attention weights ``(B, Hq, L, S)`` when ``output_attentions`` is true.
     """
-    groups = int(getattr(module, "num_key_value_groups", 1) or 1)
     L = int(query.shape[2])
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
     causal = bool(causal and attention_mask is None and L > 1)
@@ -153,7 +151,7 @@ def attention_forward(
         "bias": bias,
         "is_causal": causal,
         "scale": scaling,
-        "enable_gqa": groups > 1,
+        "enable_gqa": int(query.shape[1]) != int(key.shape[1]),
     }
     if kwargs.get("softcap") is not None:
         options["softcap"] = float(kwargs["softcap"])
