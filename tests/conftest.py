@@ -12,6 +12,10 @@ on; each ``<name>_dtype`` fixture is the matching ``(backend, dtype name)`` pair
 backend that a fixture leaves out generates no test; a test that no selected backend applies
 to is deselected, not skipped.
 
+A feature's tests across every path ask for ``path_case``: one per selected backend, dtype,
+path of :data:`tests.paths.PATHS` and case of the module's ``PATH_CASES`` that the path
+computes (:mod:`tests.paths`).
+
 Slow tests carry the ``slow`` mark; the default nox sessions deselect them and
 ``nox -s tests-slow`` runs them on every CPU backend. ``@pytest.mark.slow_on(*libraries)``,
 on a test or on one of its parameters, marks ``slow`` only its cases on those libraries'
@@ -29,8 +33,16 @@ from dataclasses import dataclass
 import hypothesis
 import pytest
 
-from sdpa_array._kernels.native import NATIVE_KERNELS
 from sdpa_array.testing.backends import BACKENDS, Backend, get_backend
+from tests.libraries import (
+    AUTOGRAD_LIBRARIES,
+    NATIVE_LIBRARIES,
+    SHAPE_COMPILING_LIBRARIES,
+    native_dtype,
+    native_lse,
+    native_lse_device,
+)
+from tests.paths import PathCase, path_cases
 
 # JAX takes 75% of a GPU's memory when it first touches it; the test workers share one GPU
 # (each would start with the rest held: CUDA, cuBLAS and CuPy ran out of memory).
@@ -49,45 +61,6 @@ hypothesis.settings.register_profile(
     suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture],
 )
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
-
-#: Libraries with at least one native kernel, from the library's own delegation table.
-NATIVE_LIBRARIES = frozenset(row.library for row in NATIVE_KERNELS)
-
-#: Dtypes in which a library's native kernels never compute a call, with the reason their
-#: refusal gives (stated here, not derived: ``tests/test_native.py::test_refused_dtypes``
-#: checks the refusals, and the other dtypes of a native backend must delegate).
-NATIVE_REFUSED_DTYPES: dict[str, dict[str, str]] = {
-    "jax": {"float64": "computes the softmax in float32"}
-}
-
-#: (library, device) -> dtypes in which no native kernel returns the log-sum-exp on that
-#: device, with the reason the refusal gives (stated;
-#: ``tests/test_native.py::test_lse_and_weights_delegation`` checks the refusals).
-NATIVE_LSE_REFUSED_DTYPES: dict[tuple[str, str], dict[str, str]] = {
-    ("torch", "cuda"): {"float64": "no CUDA kernel returning the log-sum-exp computes float64"}
-}
-
-#: Libraries whose own autodiff the library supports (torch autograd, JAX transforms).
-AUTOGRAD_LIBRARIES = frozenset({"torch", "jax"})
-
-#: Libraries that compile every operation anew for each new combination of shapes and
-#: dtypes (JAX, eagerly: tens of milliseconds each). Tests share shapes on them
-#: (``Q``, ``KV``... of ``tests/helpers.py``) and draw random sizes from a few; random
-#: sizes of any kind run on them in the ``slow`` tests.
-SHAPE_COMPILING_LIBRARIES = frozenset({"jax"})
-
-
-def _native_dtype(b: Backend, dtype: str) -> bool:
-    return b.library in NATIVE_LIBRARIES and dtype not in NATIVE_REFUSED_DTYPES.get(b.library, {})
-
-
-def _native_lse_device(b: Backend) -> bool:
-    return b.library in NATIVE_LIBRARIES
-
-
-def _native_lse(b: Backend, dtype: str) -> bool:
-    refused = NATIVE_LSE_REFUSED_DTYPES.get((b.library, b.device), {})
-    return _native_lse_device(b) and _native_dtype(b, dtype) and dtype not in refused
 
 
 @dataclass(frozen=True)
@@ -122,14 +95,14 @@ BACKEND_FIXTURES: dict[str, BackendFixture] = {
     # libraries that compile every new shape
     "shape_compiling_backend": BackendFixture(lambda b: b.library in SHAPE_COMPILING_LIBRARIES),
     # implementation="native": the dtype variant holds the dtypes that must delegate
-    "native_backend": BackendFixture(lambda b: b.library in NATIVE_LIBRARIES, _native_dtype),
+    "native_backend": BackendFixture(lambda b: b.library in NATIVE_LIBRARIES, native_dtype),
     "non_native_backend": BackendFixture(lambda b: b.library not in NATIVE_LIBRARIES),
     # native kernels that return the log-sum-exp (and so the weights) on this device
-    "native_lse_backend": BackendFixture(_native_lse_device, _native_lse),
+    "native_lse_backend": BackendFixture(native_lse_device, native_lse),
     # dtypes in which native kernels refuse every call
     "native_refused_backend": BackendFixture(
         lambda b: b.library in NATIVE_LIBRARIES,
-        lambda b, dtype: b.library in NATIVE_LIBRARIES and not _native_dtype(b, dtype),
+        lambda b, dtype: b.library in NATIVE_LIBRARIES and not native_dtype(b, dtype),
     ),
 }
 
@@ -177,11 +150,17 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             _parametrize(metafunc, f"{name}_dtype", pairs, [f"{b.id}-{d}" for b, d in pairs])
         elif name in metafunc.fixturenames:
             _parametrize(metafunc, name, backends, [b.id for b in backends])
+    if "path_case" in metafunc.fixturenames:
+        items = path_cases(selected, metafunc.module.PATH_CASES)
+        ids = [f"{c.backend.id}-{c.dtype}-{c.path.name}-{c.case.id}" for c in items]
+        _parametrize(metafunc, "path_case", items, ids)
 
 
 def _backend_of(item: pytest.Item) -> Backend | None:
     """The backend an item runs on (that of its backend fixture), if any."""
     params = getattr(getattr(item, "callspec", None), "params", {})
+    if isinstance(params.get("path_case"), PathCase):
+        return params["path_case"].backend
     for name in BACKEND_FIXTURES:
         value = params.get(name, params.get(f"{name}_dtype"))
         if isinstance(value, tuple):
@@ -236,6 +215,14 @@ def _make_fixtures(name: str) -> None:
     pair.__doc__ = f"A (backend, dtype name) pair of the {name!r} kind."
     globals()[name] = pytest.fixture(one, name=name)
     globals()[f"{name}_dtype"] = pytest.fixture(pair, name=f"{name}_dtype")
+
+
+@pytest.fixture
+def path_case(request: pytest.FixtureRequest) -> PathCase:
+    """A (backend, dtype, path, case) of the test module's ``PATH_CASES`` that the path
+    computes (:mod:`tests.paths`), on a backend whose library and device are present."""
+    _require(request.param.backend)
+    return request.param
 
 
 # One fixture per entry of BACKEND_FIXTURES, and its ``_dtype`` variant.

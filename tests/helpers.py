@@ -39,6 +39,7 @@ __all__ = [
     "Q",
     "assert_array_like",
     "assert_close",
+    "assert_unchanged",
     "assert_within",
     "check_against_oracle",
     "check_vjp_against_oracle",
@@ -47,6 +48,7 @@ __all__ = [
     "output_bound",
     "rounded",
     "score_error",
+    "snapshot",
     "spy_native_kernels",
     "vjp_oracle_and_bounds",
 ]
@@ -70,11 +72,12 @@ def rounded(backend: Backend, a: np.ndarray, dtype: str) -> tuple[Any, np.ndarra
     return x, reference.to_numpy(x).astype(np.float64)
 
 
-def _snapshot(inputs: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {name: reference.to_numpy(x) for name, x in inputs.items() if x is not None}
+def snapshot(inputs: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The values of the arrays among ``inputs`` (other values are left out)."""
+    return {name: reference.to_numpy(x) for name, x in inputs.items() if hasattr(x, "shape")}
 
 
-def _assert_unchanged(inputs: dict[str, Any], before: dict[str, np.ndarray]) -> None:
+def assert_unchanged(inputs: dict[str, Any], before: dict[str, np.ndarray]) -> None:
     """No implementation writes to the caller's arrays (``numpy:readonly`` would raise where
     NumPy writes; this also catches a write that checks ``writeable`` first)."""
     for name, values in before.items():
@@ -124,11 +127,11 @@ def check_against_oracle(
     xmask = None if mask is None else backend.asarray(mask)
     xbias = None if bias is None else backend.asarray(bias, dtype)
     inputs = {"query": xq, "key": xk, "value": xv, "mask": xmask, "bias": xbias}
-    before = _snapshot(inputs)
+    before = snapshot(inputs)
     run = {"mask": xmask, "bias": xbias, "implementation": implementation, **options}
     run |= {"return_weights": return_weights, "return_lse": True}
     result = sdpa_array.scaled_dot_product_attention(xq, xk, xv, **run)
-    _assert_unchanged(inputs, before)
+    assert_unchanged(inputs, before)
     assert_close_to_oracle(result, xq, xk, xv, **as_checked(xq, xk, xv, run))
     return result[0], (result[1] if return_weights else None), result[-1]
 
@@ -158,11 +161,11 @@ def check_vjp_against_oracle(
     xmask = None if mask is None else backend.asarray(mask)
     xbias = None if bias is None else backend.asarray(bias, dtype)
     inputs = {"query": xq, "key": xk, "value": xv, "grad_output": xg, "mask": xmask, "bias": xbias}
-    before = _snapshot(inputs)
+    before = snapshot(inputs)
     run = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
     run |= {"mask": xmask, "bias": xbias, **options}
     got = sdpa_array.scaled_dot_product_attention_vjp(xq, xk, xv, xg, **run)
-    _assert_unchanged(inputs, before)
+    assert_unchanged(inputs, before)
     assert_vjp_close_to_oracle(got, xq, xk, xv, xg, **as_checked(xq, xk, xv, run, vjp=True))
     return got
 

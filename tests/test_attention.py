@@ -1,15 +1,25 @@
-"""Every feature, and combinations of them, against the float64 oracle on every backend/dtype."""
+"""Shapes and combined features against the float64 oracle on every path, and the edge cases
+of any call.
+
+Each feature alone has a file of its own (``test_mask_bias``, ``test_causal_window``,
+``test_softcap``, ``test_scale``, ``test_gqa``, ``test_sinks``, ``test_sequences``,
+``test_dropout``, ``test_mask_mods``, ``test_layout``), each running its cases on every path
+of :mod:`tests.paths`. This file runs the same way the shapes (no heads axis, ``L != S``,
+``Ev != E``, broadcast batch axes) and features combined, and checks on every backend and
+dtype what any call must do: rows fully masked or excluded whole, empty lengths, large
+logits, the packing of the return values, the worked example of the design notes, arrays on
+a non-default device.
+"""
 
 from __future__ import annotations
 
 import math
-import zlib
 
 import numpy as np
 import pytest
 
 import sdpa_array
-from sdpa_array import CannotDelegateError, reference
+from sdpa_array import reference
 from tests.helpers import (
     KV,
     KV_EV,
@@ -17,17 +27,14 @@ from tests.helpers import (
     Q,
     assert_array_like,
     check_against_oracle,
-    spy_native_kernels,
 )
+from tests.paths import FeatureCase, check_on_path, random_mask, random_normal
 
-#: The implementations every backend runs; ``"native"`` runs only where it delegates (below).
+#: The implementations the edge cases below run on every backend; ``"native"`` runs them
+#: where it delegates.
 IMPLEMENTATIONS = ["auto", "materialized", "blocked"]
 
-#: What native kernels do with a case of the feature matrix, called (as
-#: ``check_against_oracle`` calls) for the output, the weights and the log-sum-exp: ``True``
-#: means every native backend in a dtype it computes must delegate it
-#: (``native_lse_backend_dtype``), otherwise the reason its refusal must name.
-DELEGATES = True
+#: The reasons native kernels give for refusing a case (``FeatureCase.native``).
 NEEDS_EV_EQ_E = "Ev == E"
 SOFTCAP = "softcap"
 
@@ -36,75 +43,29 @@ def randn(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return rng.standard_normal(shape)
 
 
-# Each case: (id, shapes of q, k, v, options, mask shape or None, bias shape or None, native).
-# Most share the shapes Q, KV (L < S) of tests/helpers.py, so that JAX compiles them once;
-# L == S is KV for all three, L > S swaps Q and KV. Other shapes only where the shapes are
-# the point (no heads axis, broadcast batch axes).
-CASES = [
-    ("plain", Q, KV, KV, {}, None, None, DELEGATES),
-    ("no-heads-2d", (6, 4), (9, 4), (9, 3), {}, None, None, NEEDS_EV_EQ_E),
-    ("L!=S,Ev!=E", Q, KV, KV_EV, {}, None, None, NEEDS_EV_EQ_E),
-    ("broadcast-batch", (3, 1, 5, 4), (1, 2, 6, 4), (2, 6, 7), {}, None, None, NEEDS_EV_EQ_E),
-    ("mask", Q, KV, KV, {}, (2, 1, 6, 7), None, DELEGATES),
-    ("bias", Q, KV, KV, {}, None, (2, 6, 7), DELEGATES),
-    ("mask+bias", Q, KV, KV, {}, (6, 7), (2, 2, 1, 7), DELEGATES),
-    ("causal", KV, KV, KV, {"is_causal": True}, None, None, DELEGATES),
-    (
-        "causal-top-left-L<S",
-        Q,
-        KV,
-        KV,
-        {"is_causal": True, "alignment": "top_left"},
-        None,
-        None,
-        DELEGATES,
-    ),
-    (
-        "causal-bottom-right-L<S",
-        Q,
-        KV,
-        KV,
-        {"is_causal": True, "alignment": "bottom_right"},
-        None,
-        None,
-        DELEGATES,
-    ),
-    (
-        "causal-bottom-right-L>S",
-        KV,
-        Q,
-        Q,
-        {"is_causal": True, "alignment": "bottom_right"},
-        None,
-        None,
-        DELEGATES,
-    ),
-    ("window", KV, KV, KV, {"window": (2, 1)}, None, None, DELEGATES),
-    (
-        "window-left-only+causal",
-        Q,
-        KV,
-        KV,
-        {"window": (3, None), "is_causal": True, "alignment": "bottom_right"},
-        None,
-        None,
-        DELEGATES,
-    ),
-    ("window-right-only", KV, Q, Q, {"window": (None, 0)}, None, None, DELEGATES),
-    ("softcap", Q, KV, KV, {"softcap": 2.5}, None, None, SOFTCAP),
-    ("scale", Q, KV, KV, {"scale": 0.7}, None, None, DELEGATES),
-    ("gqa", Q_GQA, KV, KV_EV, {"enable_gqa": True}, None, None, NEEDS_EV_EQ_E),
-    (
+# Shapes other than the shared ``Q``, ``KV`` only where the shapes are the point (no heads
+# axis, broadcast batch axes); features combined as models combine them.
+PATH_CASES = [
+    FeatureCase("plain", Q, KV, KV, native=True),
+    FeatureCase("no-heads-2d", (6, 4), (9, 4), (9, 3), native=NEEDS_EV_EQ_E),
+    FeatureCase("L!=S,Ev!=E", Q, KV, KV_EV, native=NEEDS_EV_EQ_E),
+    FeatureCase("broadcast-batch", (3, 1, 5, 4), (1, 2, 6, 4), (2, 6, 7), native=NEEDS_EV_EQ_E),
+    FeatureCase(
         "gqa+mask+bias+causal+softcap",
         Q_GQA,
         KV,
         KV,
-        {"enable_gqa": True, "is_causal": True, "alignment": "bottom_right", "softcap": 5.0},
-        (4, 6, 7),
-        (1, 4, 1, 7),
-        SOFTCAP,
+        {
+            "enable_gqa": True,
+            "is_causal": True,
+            "alignment": "bottom_right",
+            "softcap": 5.0,
+            "mask": random_mask(4, 6, 7, seed=1),
+            "bias": random_normal(1, 4, 1, 7, seed=1),
+        },
+        native=SOFTCAP,
     ),
-    (
+    FeatureCase(
         "everything",
         Q_GQA,
         (2, 1, 7, 4),
@@ -116,85 +77,18 @@ CASES = [
             "softcap": 3.0,
             "scale": 0.5,
             "alignment": "bottom_right",
+            "mask": random_mask(2, 1, 6, 7, seed=2),
+            "bias": random_normal(4, 6, 7, seed=2),
         },
-        (2, 1, 6, 7),
-        (4, 6, 7),
-        SOFTCAP,
+        native=SOFTCAP,
     ),
 ]
 
 
-def _feature_inputs(q_shape, k_shape, v_shape, options, mask_shape, bias_shape):
-    rng = np.random.default_rng(zlib.crc32(repr((q_shape, k_shape, options)).encode()))
-    mask = None if mask_shape is None else rng.random(mask_shape) > 0.3
-    bias = None if bias_shape is None else randn(rng, *bias_shape)
-    q, k, v = randn(rng, *q_shape), randn(rng, *k_shape), randn(rng, *v_shape)
-    return q, k, v, mask, bias
-
-
-CASE_FIELDS = ("q_shape", "k_shape", "v_shape", "options", "mask_shape", "bias_shape")
-
-
-# the feature matrix of the generic kernels; on JAX and Dask in `nox -s tests-slow`
+# on JAX and Dask in `nox -s tests-slow`
 @pytest.mark.slow_on("jax", "dask")
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize(CASE_FIELDS, [c[1:-1] for c in CASES], ids=[c[0] for c in CASES])
-def test_feature_matches_oracle(
-    backend_dtype, implementation, q_shape, k_shape, v_shape, options, mask_shape, bias_shape
-):
-    backend, dtype = backend_dtype
-    q, k, v, mask, bias = _feature_inputs(
-        q_shape, k_shape, v_shape, options, mask_shape, bias_shape
-    )
-    check_against_oracle(
-        backend, dtype, q, k, v, mask=mask, bias=bias, implementation=implementation, **options
-    )
-
-
-@pytest.mark.parametrize(
-    CASE_FIELDS,
-    [c[1:-1] for c in CASES if c[-1] is DELEGATES],
-    ids=[c[0] for c in CASES if c[-1] is DELEGATES],
-)
-def test_feature_native_matches_oracle(
-    native_lse_backend_dtype,
-    monkeypatch,
-    q_shape,
-    k_shape,
-    v_shape,
-    options,
-    mask_shape,
-    bias_shape,
-):
-    """The cases native delegates (output, weights and log-sum-exp), against the oracle."""
-    backend, dtype = native_lse_backend_dtype
-    called = spy_native_kernels(monkeypatch)
-    q, k, v, mask, bias = _feature_inputs(
-        q_shape, k_shape, v_shape, options, mask_shape, bias_shape
-    )
-    check_against_oracle(
-        backend, dtype, q, k, v, mask=mask, bias=bias, implementation="native", **options
-    )
-    assert len(called) == 1, f"native kernels run: {called}"
-
-
-@pytest.mark.parametrize(
-    (*CASE_FIELDS, "reason"),
-    [c[1:] for c in CASES if c[-1] is not DELEGATES],
-    ids=[c[0] for c in CASES if c[-1] is not DELEGATES],
-)
-def test_feature_native_refuses_with_the_reason(
-    native_lse_backend_dtype, q_shape, k_shape, v_shape, options, mask_shape, bias_shape, reason
-):
-    """The other cases raise the documented error, naming why, before running any kernel."""
-    backend, dtype = native_lse_backend_dtype
-    q, k, v, mask, bias = _feature_inputs(
-        q_shape, k_shape, v_shape, options, mask_shape, bias_shape
-    )
-    with pytest.raises(CannotDelegateError, match=reason):
-        check_against_oracle(
-            backend, dtype, q, k, v, mask=mask, bias=bias, implementation="native", **options
-        )
+def test_on_every_path(path_case):
+    check_on_path(path_case)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

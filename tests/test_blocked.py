@@ -23,8 +23,8 @@ from sdpa_array._plan import dispatch as _dispatch
 from sdpa_array._problem.band import Band
 from sdpa_array._problem.options import Options
 from sdpa_array._problem.problem import validate
-from tests.conftest import SHAPE_COMPILING_LIBRARIES
 from tests.helpers import check_against_oracle
+from tests.libraries import SHAPE_COMPILING_LIBRARIES
 
 #: The generic kernels' numerics, the same code as on NumPy, torch and array-api-strict (the
 #: default sessions); on JAX (a compilation per new shape) and Dask (a graph per call) they

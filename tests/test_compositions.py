@@ -25,7 +25,7 @@ import pytest
 
 import sdpa_array
 from sdpa_array.testing import assert_within, vjp_oracle_and_bounds
-from tests.conftest import NATIVE_LSE_REFUSED_DTYPES
+from tests.libraries import NATIVE_LSE_REFUSED_DTYPES
 
 #: (id, q, k, v shapes, options, mask shape, bias shape)
 CASES = [

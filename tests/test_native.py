@@ -24,7 +24,6 @@ from sdpa_array._plan import dispatch as _dispatch
 from sdpa_array._problem.options import Options
 from sdpa_array._problem.problem import Inputs, validate
 from sdpa_array.testing.backends import BACKENDS
-from tests.conftest import NATIVE_LIBRARIES, NATIVE_LSE_REFUSED_DTYPES, NATIVE_REFUSED_DTYPES
 from tests.helpers import (
     KV,
     Q_GQA,
@@ -38,6 +37,7 @@ from tests.helpers import (
     score_error,
     spy_native_kernels,
 )
+from tests.libraries import NATIVE_LIBRARIES, NATIVE_LSE_REFUSED_DTYPES, NATIVE_REFUSED_DTYPES
 
 TORCH_PUBLIC = "torch.nn.functional.scaled_dot_product_attention"
 TORCH_CPU_FLASH = "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu"

@@ -10,8 +10,8 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from sdpa_array import CannotDelegateError, reference
-from tests.conftest import NATIVE_LIBRARIES, SHAPE_COMPILING_LIBRARIES
 from tests.helpers import UNIT_ROUNDOFF, check_against_oracle, compute_dtype
+from tests.libraries import NATIVE_LIBRARIES, SHAPE_COMPILING_LIBRARIES
 from tests.test_attention import IMPLEMENTATIONS
 
 side = st.one_of(st.none(), st.integers(0, 6))

@@ -1,10 +1,10 @@
 """``scale`` given as a 0-d array: a learnable temperature on every backend.
 
-* the forward pass with a 0-d ``scale`` array against the oracle, on every backend, dtype and
-  implementation;
-* the VJP returns ``grad_scale`` (0-d, the scale's dtype) within the bound derived in
+* a number and a 0-d ``scale`` array on every path (:mod:`tests.paths`), backend and dtype
+  against the oracle: the forward result and the gradients, ``grad_scale`` (0-d, the
+  scale's dtype) within the bound derived in
   :func:`sdpa_array.testing.vjp_bounds.vjp_oracle_and_bounds`;
-* autograd reaches it: torch ``requires_grad`` and ``jax.grad`` (also under ``jax.jit``)
+* autograd reaches it (the ``autograd`` path above, and ``jax.grad`` under ``jax.jit``)
   against the oracle; ``torch.autograd.gradcheck`` and, where torch has a second
   derivative, ``gradgradcheck`` (double backward) in float64; ``torch.func.grad`` and
   ``torch.func.vmap`` over a batch of scales;
@@ -19,8 +19,9 @@ import pytest
 
 import sdpa_array
 from sdpa_array import reference
-from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
+from sdpa_array.testing import assert_vjp_close_to_oracle
 from tests.helpers import as_checked
+from tests.paths import FeatureCase, check_on_path
 
 #: JAX compiles every new shape: on JAX these cases run in `nox -s tests-slow` (CI runs it).
 pytestmark = pytest.mark.slow_on("jax")
@@ -29,17 +30,7 @@ pytestmark = pytest.mark.slow_on("jax")
 Q, KV = (2, 2, 6, 4), (2, 2, 7, 4)
 SCALE = 0.3
 
-IMPLEMENTATIONS = [
-    pytest.param("auto", {}, id="auto"),
-    pytest.param("materialized", {}, id="materialized"),
-    pytest.param("blocked", {}, id="blocked"),
-    pytest.param("blocked", {"block_q": 3, "block_k": 4}, id="blocked-3x4"),
-]
-OPTIONS = [
-    pytest.param({}, id="plain"),
-    pytest.param({"is_causal": True}, id="causal"),
-    pytest.param({"softcap": 2.5}, id="softcap"),
-]
+SCALE_ARRAY = {"scale": np.asarray(SCALE)}
 
 
 def _inputs(backend, dtype, seed=0):
@@ -51,20 +42,18 @@ def _inputs(backend, dtype, seed=0):
     return q, k, v, g
 
 
-@pytest.mark.parametrize(("implementation", "blocks"), IMPLEMENTATIONS)
-@pytest.mark.parametrize("options", OPTIONS)
-def test_forward_and_vjp_with_scale_array(backend_dtype, implementation, blocks, options):
-    backend, dtype = backend_dtype
-    q, k, v, g = _inputs(backend, dtype)
-    scale = backend.asarray(np.asarray(SCALE), dtype)
-    out = sdpa_array.scaled_dot_product_attention(
-        q, k, v, scale=scale, implementation=implementation, **blocks, **options
-    )
-    run = {"scale": scale, "implementation": implementation, **blocks, **options}
-    assert_close_to_oracle(out, q, k, v, **as_checked(q, k, v, run))
-    grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **run)
-    assert len(grads) == 4
-    assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, run, vjp=True))
+PATH_CASES = [
+    FeatureCase("number", Q, KV, KV, {"scale": 0.7}, native=True),
+    FeatureCase("array", Q, KV, KV, SCALE_ARRAY),
+    FeatureCase("array+causal", Q, KV, KV, {**SCALE_ARRAY, "is_causal": True}),
+    FeatureCase("array+softcap", Q, KV, KV, {**SCALE_ARRAY, "softcap": 2.5}),
+]
+
+
+def test_on_every_path(path_case):
+    """The forward result and the gradients (``grad_scale`` last, for an array) against the
+    oracle on every path (:mod:`tests.paths`)."""
+    check_on_path(path_case)
 
 
 def test_vjp_with_bias_and_gqa_returns_grad_bias_then_grad_scale(backend):
@@ -98,37 +87,6 @@ def test_empty_lengths_give_a_zero_scale_gradient(backend):
     assert len(grads) == 4
     assert tuple(grads[3].shape) == ()
     assert float(reference.to_numpy(grads[3])) == 0.0
-
-
-def _autograd(backend, f, args):
-    """Gradients of the scalar ``f(*args)`` with respect to every argument."""
-    if backend.library == "torch":
-        import torch
-
-        leaves = [a.detach().requires_grad_(True) for a in args]
-        return tuple(torch.autograd.grad(f(*leaves), leaves))
-    import jax
-
-    return tuple(jax.grad(f, argnums=tuple(range(len(args))))(*args))
-
-
-@pytest.mark.parametrize(("implementation", "blocks"), IMPLEMENTATIONS)
-@pytest.mark.parametrize("options", OPTIONS)
-def test_autograd_reaches_the_scale(autograd_backend_dtype, implementation, blocks, options):
-    backend, dtype = autograd_backend_dtype
-    q, k, v, g = _inputs(backend, dtype)
-    xp = sdpa_array._arrays.compat.array_namespace({"q": q})
-    scale = backend.asarray(np.asarray(SCALE), dtype)
-
-    def loss(q, k, v, scale):
-        out = sdpa_array.scaled_dot_product_attention(
-            q, k, v, scale=scale, implementation=implementation, **blocks, **options
-        )
-        return xp.sum(xp.astype(out, xp.float64 if dtype == "float64" else xp.float32) * g)
-
-    grads = _autograd(backend, loss, (q, k, v, scale))
-    run = {"scale": scale, "implementation": implementation, **blocks, **options}
-    assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, run, vjp=True))
 
 
 @pytest.mark.parametrize("implementation", ["materialized", "blocked"])

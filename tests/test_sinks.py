@@ -1,12 +1,13 @@
 """Attention sinks: one extra softmax logit per query head whose value contributes nothing.
 
-* forward (output, weights, log-sum-exp) and VJP (``grad_sinks`` after ``grad_bias``, before
-  ``grad_scale``) against the oracle on every backend, dtype and implementation, combined with
-  mask, causal, GQA and softcap, with fully masked rows (zero output, ``lse = sink``);
+* forward (output, weights, log-sum-exp) and gradients (``grad_sinks`` after ``grad_bias``,
+  before ``grad_scale``) against the oracle on every path (:mod:`tests.paths`: the VJP and
+  autograd among them), backend and dtype, combined with mask, causal, GQA, softcap and a
+  bias, with fully masked rows (zero output, ``lse = sink``); native kernels refuse sinks;
 * the oracle against its definition: the gpt-oss formulation (sink as an extra logit
   column, softmax, drop the column) through torch autograd, and central finite differences;
-* autograd reaches the sinks: torch ``requires_grad`` and ``jax.grad``;
-* native kernels refuse sinks; bad sinks raise errors naming them.
+* autograd through the log-sum-exp reaches the sinks;
+* bad sinks raise errors naming them.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import pytest
 
 import sdpa_array
 from sdpa_array import reference
-from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
+from sdpa_array.testing import assert_vjp_close_to_oracle
 from tests.helpers import as_checked
+from tests.paths import FeatureCase, check_on_path, random_normal
 
 #: JAX compiles every new shape and Dask builds a graph per call: on them these cases run in
 #: `nox -s tests-slow` (CI runs it).
@@ -25,24 +27,11 @@ pytestmark = pytest.mark.slow_on("jax", "dask")
 
 Q, KV = (2, 4, 6, 4), (2, 2, 7, 4)
 
-IMPLEMENTATIONS = [
-    pytest.param("materialized", {}, id="materialized"),
-    pytest.param("blocked", {}, id="blocked"),
-    pytest.param("blocked", {"block_q": 3, "block_k": 4}, id="blocked-3x4"),
-]
-
 
 def _mask() -> np.ndarray:
     mask = np.random.default_rng(5).random((Q[-2], KV[-2])) > 0.3
     mask[2] = False  # a row with no admissible key: zero output, lse = sink
     return mask
-
-
-OPTIONS = [
-    pytest.param({}, id="plain"),
-    pytest.param({"is_causal": True, "softcap": 2.5}, id="causal-softcap"),
-    pytest.param({"mask": "rows"}, id="masked-rows"),
-]
 
 
 def _case(backend, dtype, options, sinks_shape=(4,), seed=0):
@@ -58,17 +47,31 @@ def _case(backend, dtype, options, sinks_shape=(4,), seed=0):
     return q, k, v, g, sinks, options
 
 
-@pytest.mark.parametrize(("implementation", "blocks"), IMPLEMENTATIONS)
-@pytest.mark.parametrize("options", OPTIONS)
-def test_sinks_forward_and_vjp_match_oracle(backend_dtype, implementation, blocks, options):
-    backend, dtype = backend_dtype
-    q, k, v, g, sinks, options = _case(backend, dtype, options)
-    run = {"implementation": implementation, **blocks, **options, "sinks": sinks}
-    result = sdpa_array.scaled_dot_product_attention(q, k, v, return_lse=True, **run)
-    assert_close_to_oracle(result, q, k, v, return_lse=True, **as_checked(q, k, v, run))
-    grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **run)
-    assert len(grads) == 4
-    assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, run, vjp=True))
+def _path_case(id_, options, native="sinks"):
+    sinks = {"sinks": random_normal(4, seed=8), "enable_gqa": True}
+    return FeatureCase(id_, Q, KV, KV, {**options, **sinks}, native=native)
+
+
+PATH_CASES = [
+    _path_case("plain", {}),
+    # native kernels name the first reason they cannot compute a call
+    _path_case("causal-softcap", {"is_causal": True, "softcap": 2.5}, native="softcap"),
+    _path_case("masked-rows", {"mask": _mask()}),
+    _path_case("masked-rows+causal", {"mask": _mask(), "is_causal": True}),
+    FeatureCase(
+        "broadcast-sinks+bias",
+        Q,
+        KV,
+        KV,
+        {"sinks": random_normal(2, 1, seed=9), "bias": random_normal(6, 7), "enable_gqa": True},
+    ),
+]
+
+
+def test_on_every_path(path_case):
+    """Output, log-sum-exp and gradients (``grad_sinks`` after ``grad_bias``) on every path
+    (:mod:`tests.paths`) against the oracle; native kernels refuse sinks, naming them."""
+    check_on_path(path_case)
 
 
 def test_weights_sum_below_one_and_empty_rows_give_the_sink(backend):
@@ -177,24 +180,6 @@ def _autograd(backend, f, args):
     return tuple(jax.grad(f, argnums=tuple(range(len(args))))(*args))
 
 
-@pytest.mark.parametrize(("implementation", "blocks"), IMPLEMENTATIONS)
-def test_autograd_reaches_the_sinks(autograd_backend_dtype, implementation, blocks):
-    backend, dtype = autograd_backend_dtype
-    q, k, v, g, sinks, options = _case(backend, dtype, {"mask": "rows", "is_causal": True})
-    xp = sdpa_array._arrays.compat.array_namespace({"q": q})
-    acc = xp.float64 if dtype == "float64" else xp.float32
-
-    def loss(q, k, v, sinks):
-        out = sdpa_array.scaled_dot_product_attention(
-            q, k, v, sinks=sinks, implementation=implementation, **blocks, **options
-        )
-        return xp.sum(xp.astype(out, acc) * xp.astype(g, acc))
-
-    grads = _autograd(backend, loss, (q, k, v, sinks))
-    run = {"implementation": implementation, **blocks, **options, "sinks": sinks}
-    assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, run, vjp=True))
-
-
 @pytest.mark.parametrize("implementation", ["materialized", "blocked"])
 def test_autograd_through_the_lse_reaches_the_sinks(autograd_backend, implementation):
     backend = autograd_backend
@@ -225,14 +210,6 @@ def test_autograd_through_the_lse_reaches_the_sinks(autograd_backend, implementa
         for i in range(4)
     ]
     np.testing.assert_allclose(reference.to_numpy(got), numeric, rtol=1e-6, atol=1e-8)
-
-
-def test_native_refuses_sinks(native_backend):
-    q, k, v, _, sinks, _ = _case(native_backend, "float32", {})
-    with pytest.raises(sdpa_array.CannotDelegateError, match="sinks"):
-        sdpa_array.scaled_dot_product_attention(
-            q, k, v, sinks=sinks, enable_gqa=True, implementation="native"
-        )
 
 
 def test_bad_sinks_name_the_argument():

@@ -1,7 +1,11 @@
 """The backward pass: ``scaled_dot_product_attention_vjp`` on every backend and dtype.
 
-* against the float64 oracle :func:`sdpa_array.reference.scaled_dot_product_attention_vjp`
-  (which forms the softmax Jacobian explicitly) within the element-wise bound derived in
+Every feature's gradients on every path, against the oracle, are in the feature's own file
+(:mod:`tests.paths`); this file checks what is the backward pass's own:
+
+* the blocked path's batch split against the float64 oracle
+  :func:`sdpa_array.reference.scaled_dot_product_attention_vjp` (which forms the softmax
+  Jacobian explicitly) within the element-wise bound derived in
   :func:`sdpa_array.testing.vjp_bounds.vjp_oracle_and_bounds`;
 * against central finite differences of the library's own forward pass, in float64, for
   every feature;
@@ -27,7 +31,6 @@ from sdpa_array._kernels.restrictions import Restrictions
 from sdpa_array._kernels.tiling import GRID_RESTRICTED, TILE_BYTES, plan_backward
 from sdpa_array._problem.options import Options
 from sdpa_array._problem.problem import validate
-from tests.conftest import SHAPE_COMPILING_LIBRARIES
 from tests.helpers import (
     KV,
     KV_EV,
@@ -39,6 +42,7 @@ from tests.helpers import (
     rounded,
     vjp_oracle_and_bounds,
 )
+from tests.libraries import SHAPE_COMPILING_LIBRARIES
 
 #: The generic kernels' numerics, the same code as on NumPy, torch and array-api-strict (the
 #: default sessions); on JAX (a compilation per new shape) and Dask (a graph per call) they
@@ -55,40 +59,13 @@ IMPLEMENTATIONS = [
     for variant, name in zip(VARIANTS, ("materialized", "blocked", "blocked-3x4"), strict=True)
 ]
 
-# Each case: (id, shapes of q, k, v, options, mask shape or None, bias shape or None). Most
-# share the shapes of tests/helpers.py (those of tests/test_attention.py's cases too), so
-# that libraries that compile per shape (JAX) compile once.
+# The cases whose batch axes broadcast or group in different ways, for the batch-split test
+# (every feature's gradients on every path are in its own file: tests/paths.py). Each: (id,
+# shapes of q, k, v, options, mask shape or None, bias shape or None).
 CASES = [
-    ("plain", Q, KV, KV, {}, None, None),
-    ("no-heads-2d", (6, 4), (9, 4), (9, 3), {}, None, None),
-    ("L!=S,Ev!=E", Q, KV, KV_EV, {}, None, None),
     ("broadcast-batch", (3, 1, 5, 4), (1, 2, 6, 4), (2, 6, 7), {}, None, None),
-    ("mask+scale", Q, KV, KV, {"scale": 0.7}, (2, 1, 6, 7), None),
-    ("bias-per-head", Q, KV, KV, {}, None, (2, 6, 7)),
     ("bias-broadcast-L", Q, KV, KV, {}, None, (2, 1, 1, 7)),
-    ("bias-broadcast-S", Q, KV, KV, {}, None, (6, 1)),
     ("mask+bias", Q, KV, KV, {}, (6, 7), (2, 2, 6, 7)),
-    ("causal-top-left-L<S", Q, KV, KV, {"is_causal": True}, None, None),
-    (
-        "causal-bottom-right-L>S",
-        KV,
-        Q,
-        Q,
-        {"is_causal": True, "alignment": "bottom_right"},
-        None,
-        (7, 6),
-    ),
-    ("window", Q, KV, KV, {"window": (2, 1)}, None, None),
-    (
-        "window-left+causal-bottom-right",
-        Q,
-        KV,
-        KV,
-        {"window": (3, None), "is_causal": True, "alignment": "bottom_right"},
-        None,
-        None,
-    ),
-    ("softcap", Q, KV, KV, {"softcap": 2.5}, None, (2, 6, 7)),
     ("gqa", Q_GQA, KV, KV_EV, {"enable_gqa": True}, None, (4, 1, 7)),
     (
         "everything",
@@ -109,16 +86,10 @@ CASES = [
 ]
 
 
-#: Cases whose batch axes broadcast or group in different ways, for the batch-split test.
-SPLIT_CASES = ("broadcast-batch", "mask+bias", "bias-broadcast-L", "gqa", "everything")
-
-
-def _tiled_cases(ids=None):
-    """The cases (those of ``ids``) for the tests with several tiles a row or a split batch:
-    those with shapes of their own (the shapes are what they test) are slow on libraries that
-    compile every new shape, where the tiles make a few hundred operations to compile
-    (seconds a case). There the shared-shape cases run by default, and every case runs with
-    whole rows in one tile (test_vjp_matches_oracle)."""
+def _tiled_cases():
+    """The cases, those with shapes of their own (the shapes are what they test) slow on
+    libraries that compile every new shape, where the tiles make a few hundred operations
+    to compile (seconds a case)."""
     return [
         pytest.param(
             *c,
@@ -128,7 +99,6 @@ def _tiled_cases(ids=None):
             else [pytest.mark.slow_on(*SHAPE_COMPILING_LIBRARIES)],
         )
         for c in CASES
-        if ids is None or c[0] in ids
     ]
 
 
@@ -145,79 +115,7 @@ def _draw(case_id: str, q_shape, k_shape, v_shape, mask_shape, bias_shape, optio
 CASE_FIELDS = ("case_id", "q_shape", "k_shape", "v_shape", "options", "mask_shape", "bias_shape")
 
 
-def _check_case(backend, dtype, implementation, blocks, case_id, *shapes_and_options):
-    q_shape, k_shape, v_shape, options, mask_shape, bias_shape = shapes_and_options
-    q, k, v, d_out, mask, bias = _draw(
-        case_id, q_shape, k_shape, v_shape, mask_shape, bias_shape, options
-    )
-    check_vjp_against_oracle(
-        backend,
-        dtype,
-        q,
-        k,
-        v,
-        d_out,
-        mask=mask,
-        bias=bias,
-        implementation=implementation,
-        **blocks,
-        **options,
-    )
-
-
-@pytest.mark.parametrize(("implementation", "blocks"), IMPLEMENTATIONS[:2])
-@pytest.mark.parametrize(CASE_FIELDS, [pytest.param(*c, id=c[0]) for c in CASES])
-def test_vjp_matches_oracle(
-    backend_dtype,
-    implementation,
-    blocks,
-    case_id,
-    q_shape,
-    k_shape,
-    v_shape,
-    options,
-    mask_shape,
-    bias_shape,
-):
-    backend, dtype = backend_dtype
-    _check_case(
-        backend,
-        dtype,
-        implementation,
-        blocks,
-        case_id,
-        q_shape,
-        k_shape,
-        v_shape,
-        options,
-        mask_shape,
-        bias_shape,
-    )
-
-
 @pytest.mark.parametrize(CASE_FIELDS, _tiled_cases())
-def test_multi_tile_vjp_matches_oracle(
-    backend, case_id, q_shape, k_shape, v_shape, options, mask_shape, bias_shape
-):
-    """The blocked path with 3 x 4 blocks (several tiles per row: ``P`` from the
-    log-sum-exp) in float32 here; in float64 in the finite-difference test."""
-    implementation, blocks = VARIANTS[2]
-    _check_case(
-        backend,
-        "float32",
-        implementation,
-        blocks,
-        case_id,
-        q_shape,
-        k_shape,
-        v_shape,
-        options,
-        mask_shape,
-        bias_shape,
-    )
-
-
-@pytest.mark.parametrize(CASE_FIELDS, _tiled_cases(SPLIT_CASES))
 def test_blocked_vjp_with_the_batch_split_matches_oracle(
     backend, monkeypatch, case_id, q_shape, k_shape, v_shape, options, mask_shape, bias_shape
 ):
