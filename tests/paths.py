@@ -108,12 +108,17 @@ class FeatureCase:
         q, k, v = (rng.standard_normal(s) for s in (self.q, self.k, self.v))
         out_shape = reference.scaled_dot_product_attention(q, k, v, **self.options).shape
         g = rng.standard_normal(out_shape)
-        options = {}
-        for name, value in self.options.items():
-            if isinstance(value, np.ndarray):
-                floating = name in FLOAT_OPTIONS and value.dtype.kind == "f"
-                value = backend.asarray(value, dtype) if floating else backend.asarray(value)
-            options[name] = value
+
+        def put(name: str, value: Any) -> Any:
+            if isinstance(value, tuple):  # segment ids: (query's, key's)
+                return tuple(put(name, x) for x in value)
+            if not isinstance(value, np.ndarray):
+                return value
+            if name in FLOAT_OPTIONS and value.dtype.kind == "f":
+                return backend.asarray(value, dtype)
+            return backend.asarray(value)
+
+        options = {name: put(name, value) for name, value in self.options.items()}
         return (*(backend.asarray(a, dtype) for a in (q, k, v, g)), options)
 
 

@@ -3,8 +3,8 @@
 * :func:`sdpa_array.dropout_keep_mask` gives the same bits on every backend (64-bit and
   32-bit integers: JAX without x64) and a smaller grid's mask is a slice of a larger one;
 * the kernels drop exactly those weights: the returned weights and the output equal the
-  oracle's (which applies ``dropout_keep_mask``) on every backend, dtype and implementation
-  (blocked with any block sizes, Dask chunks), and the VJP too;
+  oracle's (which applies ``dropout_keep_mask``) on every path (:mod:`tests.paths`: the VJP
+  and autograd among them), backend and dtype, and with tiles of one pair;
 * gradients against central finite differences with the same seed;
 * ``dropout_p=0`` is no dropout, bit for bit; lse ignores dropout;
 * statistics: the keep rate within a binomial bound over 1e7 draws, and chi-square tests
@@ -26,6 +26,7 @@ from sdpa_array import dropout_keep_mask, reference
 from sdpa_array.reference._dropout import keep_mask as oracle_keep_mask
 from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
 from tests.helpers import as_checked
+from tests.paths import FeatureCase, check_on_path
 
 #: JAX compiles every new shape and Dask builds a graph per call: on them these cases run in
 #: `nox -s tests-slow` (CI runs it).
@@ -34,12 +35,19 @@ pytestmark = pytest.mark.slow_on("jax", "dask")
 Q, KV = (2, 4, 6, 4), (2, 2, 7, 4)
 P, SEED = 0.3, 1234
 
-IMPLEMENTATIONS = [
-    pytest.param("materialized", {}, id="materialized"),
-    pytest.param("blocked", {}, id="blocked"),
-    pytest.param("blocked", {"block_q": 3, "block_k": 4}, id="blocked-3x4"),
-    pytest.param("blocked", {"block_q": 1, "block_k": 1}, id="blocked-1x1"),
+DROPOUT = {"dropout_p": P, "dropout_seed": SEED, "enable_gqa": True}
+
+PATH_CASES = [
+    FeatureCase("gqa", Q, KV, KV, DROPOUT),
+    FeatureCase("causal-softcap", Q, KV, KV, {**DROPOUT, "is_causal": True, "softcap": 2.5}),
+    FeatureCase("sinks", Q, KV, KV, {**DROPOUT, "sinks": np.linspace(-1.0, 1.0, 4)}),
 ]
+
+
+def test_on_every_path(path_case):
+    """Output, log-sum-exp and gradients with the same seed on every path
+    (:mod:`tests.paths`) against the oracle, which draws the keep mask with its own code."""
+    check_on_path(path_case)
 
 
 def _case(backend, dtype, seed=0):
@@ -118,7 +126,6 @@ def test_the_oracle_draws_the_same_mask_from_its_own_code(seed, shape, p):
     np.testing.assert_array_equal(ours, oracle_keep_mask(seed, shape, p))
 
 
-@pytest.mark.parametrize(("implementation", "blocks"), IMPLEMENTATIONS)
 @pytest.mark.parametrize(
     "options",
     [
@@ -127,8 +134,10 @@ def test_the_oracle_draws_the_same_mask_from_its_own_code(seed, shape, p):
         pytest.param({"sinks": True, "enable_gqa": True}, id="sinks"),
     ],
 )
-def test_forward_and_vjp_match_oracle(backend_dtype, implementation, blocks, options):
+def test_one_by_one_tiles_drop_the_same_weights(backend_dtype, options):
+    """Tiles of a single pair: the bits a pair keeps do not depend on the tiling."""
     backend, dtype = backend_dtype
+    implementation, blocks = "blocked", {"block_q": 1, "block_k": 1}
     q, k, v, g = _case(backend, dtype)
     if options.get("sinks"):
         options = {**options, "sinks": backend.asarray(np.linspace(-1, 1, 4), dtype)}

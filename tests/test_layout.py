@@ -1,12 +1,12 @@
 """The ``layout`` option: (batch..., length, heads, features) inputs and outputs.
 
-On every backend and dtype, with the implementations that apply, a ``layout="BLHE"`` call
-(forward with the log-sum-exp, and the VJP) is checked against the float64 oracle with the
+On every path (:mod:`tests.paths`), backend and dtype, a ``layout="BLHE"`` call (forward
+with the log-sum-exp, and the gradients) is checked against the float64 oracle with the
 derived bounds of the same call in the default layout: its results, with the length and
 heads axes exchanged back, are compared with the oracle on the inputs so exchanged (a
 layout only moves axes, so the bound is that of the heads-first call). The oracle's own
 ``layout`` (written separately, in ``sdpa_array.reference``) is checked against its
-heads-first result, and torch autograd and ``jax.grad`` through a ``"BLHE"`` call against
+heads-first result, and ``jax.grad`` under ``jax.jit`` through a ``"BLHE"`` call against
 the oracle's gradients. Bad layouts get a ``ValueError`` naming the option.
 """
 
@@ -17,7 +17,8 @@ import pytest
 
 import sdpa_array
 from sdpa_array import reference
-from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
+from sdpa_array.testing import assert_vjp_close_to_oracle
+from tests.paths import FeatureCase, check_on_path
 
 B, L, S, HQ, HKV, E = 2, 5, 7, 4, 2, 8
 OPTIONS = {"is_causal": True, "enable_gqa": True}
@@ -41,27 +42,34 @@ def _case(seed=0):
     return q, k, v, d_out, bias
 
 
-@pytest.mark.parametrize("implementation", ["auto", "materialized", "blocked"])
-def test_forward_and_vjp_in_blhe(backend_dtype, implementation):
-    backend, dtype = backend_dtype
-    q, k, v, d_out, bias = (backend.asarray(a, dtype) for a in _case())
-    out, lse = sdpa_array.scaled_dot_product_attention(
-        q, k, v, bias=bias, return_lse=True, layout="BLHE", implementation=implementation, **OPTIONS
-    )
-    assert tuple(out.shape) == (B, L, HQ, E)
-    heads_first = [_swap(x) for x in (q, k, v)]
-    assert_close_to_oracle((_swap(out), lse), *heads_first, bias=bias, return_lse=True, **OPTIONS)
-    grads = sdpa_array.scaled_dot_product_attention_vjp(
-        q, k, v, d_out, bias=bias, layout="BLHE", implementation=implementation, **OPTIONS
-    )
-    assert [tuple(g.shape) for g in grads[:3]] == [tuple(x.shape) for x in (q, k, v)]
-    assert_vjp_close_to_oracle(
-        (*(_swap(g) for g in grads[:3]), grads[3]),
-        *heads_first,
-        _swap(d_out),
-        bias=bias,
-        **OPTIONS,
-    )
+BLHE = {"layout": "BLHE"}
+
+PATH_CASES = [
+    FeatureCase("blhe", (B, L, HKV, E), (B, S, HKV, E), (B, S, HKV, E), BLHE, native=True),
+    FeatureCase(
+        "blhe-causal-gqa-bias",
+        (B, L, HQ, E),
+        (B, S, HKV, E),
+        (B, S, HKV, E),
+        {**BLHE, **OPTIONS, "bias": np.random.default_rng(0).standard_normal((B, HQ, L, S))},
+        native=True,
+    ),
+    FeatureCase(
+        "blhe-window-Ev!=E",
+        (B, L, HKV, E),
+        (B, S, HKV, E),
+        (B, S, HKV, 3),
+        {**BLHE, "window": (2, 1), "alignment": "bottom_right"},
+    ),
+]
+
+
+# on JAX and Dask in `nox -s tests-slow`
+@pytest.mark.slow_on("jax", "dask")
+def test_on_every_path(path_case):
+    """Output, log-sum-exp and gradients on every path (:mod:`tests.paths`), compared with
+    the oracle on the inputs and results with the length and heads axes exchanged back."""
+    check_on_path(path_case)
 
 
 def test_the_oracles_layout_moves_axes_only():
@@ -84,23 +92,6 @@ def test_the_oracles_layout_moves_axes_only():
     for g, h in zip(grads[:3], grads_h[:3], strict=True):
         np.testing.assert_array_equal(g, np.swapaxes(h, -3, -2))
     np.testing.assert_array_equal(grads[3], grads_h[3])
-
-
-def test_torch_autograd_through_blhe(torch_backend):
-    torch = pytest.importorskip("torch")
-    q, k, v, d_out, bias = (torch_backend.asarray(a, "float64") for a in _case(2))
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, bias)]
-    out = sdpa_array.scaled_dot_product_attention(
-        *leaves[:3], bias=leaves[3], layout="BLHE", **OPTIONS
-    )
-    grads = torch.autograd.grad(out, leaves, d_out)
-    assert_vjp_close_to_oracle(
-        (*(_swap(g) for g in grads[:3]), grads[3]),
-        *(_swap(x) for x in (q, k, v)),
-        _swap(d_out),
-        bias=bias,
-        **OPTIONS,
-    )
 
 
 def test_jax_grad_under_jit_through_blhe(jax_backend):

@@ -1,5 +1,6 @@
 """Mask and bias functions (``mask_mod``, ``bias_mod``) in attention and its VJP.
 
+* the mods without data on every path (:mod:`tests.paths`) against the oracle;
 * every ready-made mod of :mod:`sdpa_array.mods` against its textbook definition written out
   here as a dense ``mask``/``bias`` given to the oracle, on every backend, dtype and
   implementation (the VJP against the oracle's own evaluation of the mod);
@@ -28,6 +29,7 @@ from sdpa_array import create_block_mask, mods, reference
 from sdpa_array._kernels import mod_terms
 from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
 from tests.helpers import ran_fused
+from tests.paths import FeatureCase, check_on_path
 
 #: JAX compiles every new shape and Dask builds a graph per call: on them these cases run in
 #: `nox -s tests-slow` (CI runs it).
@@ -131,6 +133,38 @@ def _mod(name: str, backend):
 
 MOD_NAMES = ["causal", "sliding_window", "prefix_lm", "document", "and_or", "alibi"]
 MOD_NAMES += ["relative_position"]
+
+
+#: The mods without data (the others hold arrays of the inputs' library, which the oracle
+#: cannot be given: they have their own tests below) on every path.
+PATH_CASES = [
+    FeatureCase("causal", Q, KV, KV, {"mask_mod": mods.causal(), "enable_gqa": True}),
+    FeatureCase(
+        "sliding-window+softcap",
+        Q,
+        KV,
+        KV,
+        {"mask_mod": mods.sliding_window(2, 1), "softcap": 2.5, "enable_gqa": True},
+    ),
+    FeatureCase(
+        "and-or+causal",
+        Q,
+        KV,
+        KV,
+        {
+            "mask_mod": mods.or_masks(mods.sliding_window(0, 0), mods.sliding_window(None, 1)),
+            "is_causal": True,
+            "alignment": "bottom_right",
+            "enable_gqa": True,
+        },
+    ),
+]
+
+
+def test_on_every_path(path_case):
+    """Output, log-sum-exp and gradients on every path (:mod:`tests.paths`) against the
+    oracle given the same mods."""
+    check_on_path(path_case)
 
 
 def _inputs(backend, dtype, seed=0):

@@ -1,8 +1,9 @@
 """Variable lengths and packed documents: ``query_lengths``, ``key_lengths``, ``segment_ids``.
 
-* every feature on every backend and dtype against the oracle (whose own index arithmetic
-  is checked in ``tests/test_reference_features.py``), alone and combined with causal (both
-  alignments), window, GQA, softcap, mask and bias, within the derived bounds;
+* every feature on every path (:mod:`tests.paths`), backend and dtype against the oracle
+  (whose own index arithmetic is checked in ``tests/test_reference_features.py``), alone and
+  combined with causal (both alignments), window, GQA, softcap, mask and bias, within the
+  derived bounds;
 * hypothesis over lengths (0 and full included) and segment layouts (one segment, one per
   token, random);
 * gradients (VJP, torch autograd and ``jax.grad``), exactly zero for padded queries and
@@ -26,6 +27,7 @@ from sdpa_array._problem.options import Options
 from sdpa_array._problem.problem import Inputs, validate
 from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
 from tests.helpers import as_checked
+from tests.paths import FeatureCase, check_on_path
 
 #: JAX compiles every new shape and Dask builds a graph per call: on them these cases run in
 #: `nox -s tests-slow` (CI runs it).
@@ -39,12 +41,6 @@ K_LENGTHS = np.array([7, 2, 0])
 Q_SEGMENTS = np.array([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0], [3, 3, 5, 5, 5, 9]])
 K_SEGMENTS = np.array([[0, 0, 1, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0, 0], [3, 5, 5, 5, 5, 7, 9]])
 
-IMPLEMENTATIONS = [
-    pytest.param("auto", {}, id="auto"),
-    pytest.param("materialized", {}, id="materialized"),
-    pytest.param("blocked", {}, id="blocked"),
-    pytest.param("blocked", {"block_q": 2, "block_k": 3}, id="blocked-2x3"),
-]
 
 # (id, sequence options, other options, mask shape, bias shape)
 CASES = [
@@ -115,26 +111,21 @@ def _on(backend, sequences):
     }
 
 
-@pytest.mark.parametrize(("implementation", "blocks"), IMPLEMENTATIONS)
-@pytest.mark.parametrize(
-    ("sequences", "options", "mask_shape", "bias_shape"),
-    [pytest.param(*c[1:], id=c[0]) for c in CASES],
-)
-def test_against_oracle(
-    backend_dtype, implementation, blocks, sequences, options, mask_shape, bias_shape
-):
-    backend, dtype = backend_dtype
-    q, k, v, g = _arrays(backend, dtype)
-    mask, bias = _terms(backend, dtype, mask_shape, bias_shape)
-    seq = _on(backend, sequences)
-    kw = {**seq, **options, "mask": mask, "bias": bias}
-    result = sdpa_array.scaled_dot_product_attention(
-        q, k, v, return_lse=True, implementation=implementation, **blocks, **kw
-    )
-    run = {"implementation": implementation, **blocks, **kw}
-    assert_close_to_oracle(result, q, k, v, return_lse=True, **as_checked(q, k, v, run))
-    grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **run)
-    assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, run, vjp=True))
+def _path_case(case_id, sequences, options, mask_shape, bias_shape):
+    rng = np.random.default_rng(1)
+    mask = None if mask_shape is None else rng.random(mask_shape) < 0.8
+    bias = None if bias_shape is None else rng.standard_normal(bias_shape)
+    terms = {name: x for name, x in (("mask", mask), ("bias", bias)) if x is not None}
+    return FeatureCase(case_id, Q, KV, KV, {**sequences, **options, **terms})
+
+
+PATH_CASES = [_path_case(*c) for c in CASES]
+
+
+def test_on_every_path(path_case):
+    """Output, log-sum-exp and gradients on every path (:mod:`tests.paths`) against the
+    oracle."""
+    check_on_path(path_case)
 
 
 def test_gqa_with_lengths_and_segments(backend):
