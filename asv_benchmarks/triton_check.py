@@ -31,6 +31,7 @@ from sdpa_array._kernels.triton import plan_triton, triton_attention, triton_vjp
 from sdpa_array._kernels.triton.attention import run_backward, run_forward
 from sdpa_array._kernels.triton.configs import tuning_configs
 from sdpa_array._problem.options import Options
+from sdpa_array._problem.outputs import Outputs
 from sdpa_array._problem.problem import Inputs, validate
 
 DEV = torch.device("cuda")
@@ -45,7 +46,7 @@ def problem(q, k, v, causal):
 
 
 def ours_forward(p, x):
-    r = triton_attention(p, x, return_weights=False, return_lse=True)
+    r = triton_attention(p, x, Outputs(lse=True))
     return r.out, r.lse
 
 

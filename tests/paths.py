@@ -16,7 +16,8 @@ The paths:
     implementation: ``blocked`` with its own block sizes (whole rows of the small cases in
     one tile: the softmax of a tile), ``blocked-3x4`` with 3 x 4 tiles, so that the cases
     span several tiles, partial ones at the edges (the online softmax, and ``P``
-    recomputed from the log-sum-exp in the backward);
+    recomputed from the log-sum-exp in the backward); their forward calls also return the
+    maximum scores, checked against the oracle's;
 ``auto``
     both functions' own choice: a native kernel where one computes the call (torch on the
     CPU), a generic kernel otherwise;
@@ -29,7 +30,7 @@ The paths:
     on torch and JAX;
 ``kv_cache``
     :func:`sdpa_array.attention_with_kv_cache` with the keys and values as full caches
-    (forward only), for the options that function takes.
+    (forward only, with the maximum scores), for the options that function takes.
 
 Dask arrays take every path lazily (the ``dask`` backend), and the Triton kernels are the
 ``auto`` path on a GPU (``nox -s tests-cuda``).
@@ -137,6 +138,8 @@ class Path:
     gradients: bool = True
     #: whether it also returns the attention weights (checked too)
     weights: bool = False
+    #: whether its forward call also returns the maximum scores (checked too)
+    max_scores: bool = False
     #: a further condition on the case (default: none)
     condition: Callable[[FeatureCase], bool] = lambda case: True
 
@@ -161,9 +164,13 @@ def _bottom_right_or_unrestricted(case: FeatureCase) -> bool:
 
 #: Every path (see the module's docstring).
 PATHS = (
-    Path("materialized", {"implementation": "materialized"}, weights=True),
-    Path("blocked", {"implementation": "blocked"}),
-    Path("blocked-3x4", {"implementation": "blocked", "block_q": 3, "block_k": 4}),
+    Path("materialized", {"implementation": "materialized"}, weights=True, max_scores=True),
+    Path("blocked", {"implementation": "blocked"}, max_scores=True),
+    Path(
+        "blocked-3x4",
+        {"implementation": "blocked", "block_q": 3, "block_k": 4},
+        max_scores=True,
+    ),
     Path("auto", {"implementation": "auto"}),
     Path(
         "native",
@@ -183,6 +190,7 @@ PATHS = (
             {"mask", "bias", "is_causal", "window", "scale", "softcap", "enable_gqa", "alignment"}
         ),
         gradients=False,
+        max_scores=True,
         condition=lambda case: (
             len(case.q) == len(case.k) == len(case.v) == 4
             and case.q[0] == case.k[0] == case.v[0]
@@ -279,15 +287,16 @@ def check_on_path(item: PathCase) -> None:
     if path.name == "kv_cache":
         lengths = [case.k[-2]] * case.k[0]
         result = sdpa_array.attention_with_kv_cache(
-            q, k, v, cache_lengths=lengths, return_lse=True, **run
-        )[:2]
+            q, k, v, cache_lengths=lengths, return_lse=True, return_max_scores=True, **run
+        )[:3]
         grads = None
     elif path.name == "autograd":
         result, grads = _autodiff(backend, q, k, v, g, run)
     else:
-        result = sdpa_array.scaled_dot_product_attention(q, k, v, return_lse=True, **run)
+        forward = {**run, "return_max_scores": True} if path.max_scores else run
+        result = sdpa_array.scaled_dot_product_attention(q, k, v, return_lse=True, **forward)
         grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **run)
-    assert len(result) == 2
+    assert len(result) == 2 + path.max_scores
     if path.weights:
         with_weights = sdpa_array.scaled_dot_product_attention(
             q, k, v, return_weights=True, return_lse=True, **run
@@ -297,11 +306,13 @@ def check_on_path(item: PathCase) -> None:
         )
     assert_unchanged(inputs, before)
     checked = as_checked(q, k, v, run)
+    if path.max_scores:
+        checked["return_max_scores"] = True
     checked_vjp = as_checked(q, k, v, run, vjp=True)
     if options.get("layout") == "BLHE":
         # a layout only moves axes: the bound is that of the heads-first call
         q, k, v, g = (_swap(x) for x in (q, k, v, g))
-        result = (_swap(result[0]), result[1])
+        result = (_swap(result[0]), *result[1:])
         grads = None if grads is None else (*(_swap(x) for x in grads[:3]), *grads[3:])
         del checked["layout"], checked_vjp["layout"]
     assert_close_to_oracle(result, q, k, v, return_lse=True, **checked)

@@ -17,6 +17,7 @@ from sdpa_array._arrays.compat import namespace_name
 from sdpa_array._kernels.native import CannotDelegateError, Request, plan_native
 from sdpa_array._plan import dispatch as _dispatch
 from sdpa_array._problem.options import Options
+from sdpa_array._problem.outputs import Outputs
 from sdpa_array._problem.problem import Inputs, Problem, validate
 from sdpa_array.testing.backends import get_backend
 
@@ -49,7 +50,7 @@ def problem_of(backend_id: str, nbytes: int, *, above: bool) -> tuple[Problem, I
 def forward_request(p: Problem, x: Inputs) -> Request | None:
     """A plain forward request, or ``None`` where a native kernel would take it (then
     ``"auto"`` delegates, and the threshold is not what decides)."""
-    request = Request(x, False, False)
+    request = Request(x, Outputs(False, False))
     try:
         plan_native(p, request)
     except CannotDelegateError:
@@ -82,16 +83,18 @@ def test_auto_follows_the_library_threshold(library, monkeypatch):
         raise CannotDelegateError("refused by the test")
 
     monkeypatch.setattr(_dispatch, "plan_native", refuse)
-    forward = Request(x_below, False, False)
+    forward = Request(x_below, Outputs(False, False))
     assert _dispatch.choose(below, "auto", request=forward).name == "materialized"
-    forward = Request(x_above, False, False)
+    forward = Request(x_above, Outputs(False, False))
     assert _dispatch.choose(above, "auto", request=forward).name == "blocked"
 
 
 def test_weights_stay_materialized_above_the_threshold():
     threshold = _dispatch.AUTO_BLOCKED_BYTES_BY_LIBRARY["numpy"]
     p, x = problem_of("numpy", threshold, above=True)
-    assert _dispatch.choose(p, "auto", request=Request(x, True, False)).name == "materialized"
+    assert (
+        _dispatch.choose(p, "auto", request=Request(x, Outputs(True, False))).name == "materialized"
+    )
 
 
 def test_libraries_without_an_entry_get_the_default(monkeypatch):
@@ -110,13 +113,15 @@ def test_memory_cap_wins_over_the_library_threshold(monkeypatch):
     assert _dispatch.auto_blocked_bytes(above) == cap
     assert _dispatch.choose(below, "auto").name == "materialized"
     assert _dispatch.choose(above, "auto").name == "blocked"
-    assert _dispatch.choose(above, "auto", request=Request(x, False, False)).name == "blocked"
+    assert (
+        _dispatch.choose(above, "auto", request=Request(x, Outputs(False, False))).name == "blocked"
+    )
 
 
 @pytest.mark.parametrize("above", [False, True])
 def test_explicit_implementations_ignore_the_thresholds(above):
     p, x = problem_of("numpy", _dispatch.AUTO_MAX_SCORE_BYTES, above=above)
-    request = Request(x, False, False)
+    request = Request(x, Outputs(False, False))
     for name in ("materialized", "blocked"):
         assert _dispatch.choose(p, name) == _dispatch.Choice(name)
         assert _dispatch.choose(p, name, request=request) == _dispatch.Choice(name)

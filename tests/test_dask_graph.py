@@ -21,6 +21,7 @@ distributed = pytest.importorskip("distributed")
 import sdpa_array  # noqa: E402
 from sdpa_array._kernels.dask_graph import dask_attention  # noqa: E402
 from sdpa_array._problem.options import Options  # noqa: E402
+from sdpa_array._problem.outputs import Outputs  # noqa: E402
 from sdpa_array.testing import assert_close_to_oracle  # noqa: E402
 from sdpa_array.testing.assertions import assert_vjp_close_to_oracle  # noqa: E402
 
@@ -186,7 +187,7 @@ def test_split_every_sets_the_fan_in() -> None:
     p = sdpa_array._problem.problem.validate(q, k, k, Options())
     x = sdpa_array._problem.problem.Inputs(q, k, k)
     for fan_in, merges in ((2, 15), (4, 5), (16, 1)):
-        out = dask_attention(p, x, return_weights=False, return_lse=False, split_every=fan_in).out
+        out = dask_attention(p, x, Outputs(), split_every=fan_in).out
         graph = dict(out.__dask_graph__())
         assert sum(str(key[0]).startswith("sdpa-merge") for key in graph) == merges
         with dask.config.set(scheduler="sync"):

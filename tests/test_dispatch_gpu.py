@@ -17,6 +17,7 @@ from sdpa_array._kernels.native import Request, plan_native
 from sdpa_array._kernels.triton import CannotUseTritonError, plan_triton
 from sdpa_array._plan import dispatch as _dispatch
 from sdpa_array._problem.options import Options
+from sdpa_array._problem.outputs import Outputs
 from sdpa_array._problem.problem import Inputs, validate
 
 
@@ -27,7 +28,7 @@ def gpu_choice(backend, q_shape, k_shape, *, return_lse=False, **options):
     p = validate(q, k, k, Options(**options))
     p = dataclasses.replace(p, on_gpu=True)
     x = Inputs(q, k, k, options.get("mask"), options.get("bias"), None, options.get("sinks"))
-    forward = _dispatch.choose(p, "auto", request=Request(x, False, return_lse))
+    forward = _dispatch.choose(p, "auto", request=Request(x, Outputs(False, return_lse)))
     vjp = _dispatch.choose(p, "auto", vjp_inputs=x)
     return p, x, forward, vjp
 
@@ -115,7 +116,7 @@ def _plan_lse_on_cuda(backend, dtype, E, options, bias):
     q = backend.asarray(np.zeros((2, 4, 24, E)), dtype)
     b = backend.asarray(np.zeros((24, 24)), dtype) if bias else None
     p = dataclasses.replace(validate(q, q, q, Options(bias=b, **options)), on_gpu=True)
-    return plan_native(p, Request(Inputs(q, q, q, None, b), False, True))
+    return plan_native(p, Request(Inputs(q, q, q, None, b), Outputs(False, True)))
 
 
 @pytest.mark.parametrize(

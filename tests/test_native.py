@@ -22,6 +22,7 @@ from sdpa_array._kernels import native
 from sdpa_array._kernels.native import Request, plan_native
 from sdpa_array._plan import dispatch as _dispatch
 from sdpa_array._problem.options import Options
+from sdpa_array._problem.outputs import Outputs
 from sdpa_array._problem.problem import Inputs, validate
 from sdpa_array.testing.backends import BACKENDS
 from tests.helpers import (
@@ -55,7 +56,7 @@ def make_request(backend, dtype, q, k, v, mask=None, bias=None, *, lse=False, we
     xq, xk, xv = (backend.asarray(a, dtype) for a in (q, k, v))
     xmask = None if mask is None else backend.asarray(mask)
     xbias = None if bias is None else backend.asarray(bias, dtype)
-    return Request(Inputs(xq, xk, xv, xmask, xbias), weights, lse)
+    return Request(Inputs(xq, xk, xv, xmask, xbias), Outputs(weights, lse))
 
 
 def plan(backend, dtype, q_shape, k_shape, v_shape, mask_shape=None, bias_shape=None, **kw):
@@ -485,7 +486,7 @@ def chosen(backend, q, k, v, *, return_weights=False, return_lse=False, blocks=(
         **kw,
     }
     p = validate(q, k, v, Options(**options))
-    req = Request(Inputs(q, k, v), return_weights, return_lse)
+    req = Request(Inputs(q, k, v), Outputs(return_weights, return_lse))
     choice = _dispatch.choose(p, "auto", blocks, request=req)
     assert choice.automatic
     return choice.name

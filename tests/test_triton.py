@@ -49,6 +49,7 @@ from sdpa_array._kernels.triton import plan as triton_plan
 from sdpa_array._kernels.triton.attention import run_backward, run_forward
 from sdpa_array._kernels.triton.configs import Blocks, interpreting
 from sdpa_array._problem.options import Options
+from sdpa_array._problem.outputs import Outputs
 from sdpa_array._problem.problem import Inputs, Problem, validate
 from sdpa_array.testing import assert_array_like, assert_close, assert_within, get_backend
 from sdpa_array.testing.backends import Backend
@@ -237,8 +238,7 @@ def check_gradients(c: Call, grads: tuple[Any, ...], grad_lse: Any = None) -> No
 def forward_and_backward(c: Call, blocks: Blocks | None = SMALL) -> None:
     """Run the forward kernel, check it, then the backward kernels on its saved output."""
     r = run_forward(c.p, c.x, blocks=blocks)
-    out, lse = finalize(c.p, AttentionResult(out=r.out, lse=r.lse), return_weights=False,
-                        return_lse=True)  # fmt: skip
+    out, lse = finalize(c.p, AttentionResult(out=r.out, lse=r.lse), Outputs(lse=True))
     check_forward(c, out, lse)
     b = run_backward(c.p, c.x, c.g, out=r.out, lse=r.lse, blocks=blocks)
     check_gradients(c, finish_gradients(c.p, c.x, b.grads))
@@ -397,7 +397,7 @@ def test_dispatch_entries(triton_dtype: tuple[Backend, str]) -> None:
     backend, dtype = triton_dtype
     c = _call(backend, dtype, "dropout", seed=1)
     r = triton_attention(c.p, c.x, return_weights=True, return_lse=True)
-    out, weights, lse = finalize(c.p, r, return_weights=True, return_lse=True)
+    out, weights, lse = finalize(c.p, r, Outputs(weights=True, lse=True))
     check_forward(c, out, lse)
     opts = c.oracle_options()
     q64, k64, v64 = c.f64(c.q), c.f64(c.k), c.f64(c.v)

@@ -25,6 +25,7 @@ from sdpa_array._kernels.triton import triton_attention
 from sdpa_array._kernels.triton.configs import interpreting
 from sdpa_array._plan import autograd as _autograd
 from sdpa_array._problem.options import Options
+from sdpa_array._problem.outputs import Outputs
 from sdpa_array._problem.problem import Inputs, validate
 from sdpa_array.testing import get_backend
 
@@ -66,7 +67,7 @@ def test_public_call_runs_the_triton_kernel():
         q, k, v, implementation="triton", return_lse=True, **OPTIONS
     )
     p = validate(q, k, v, Options(**OPTIONS))
-    direct = triton_attention(p, Inputs(q, k, v), return_weights=False, return_lse=True)
+    direct = triton_attention(p, Inputs(q, k, v), Outputs(lse=True))
     assert bool((out == direct.out).all())
     assert bool((lse == direct.lse).all())
     explained = sdpa_array.explain(q, k, v, implementation="triton", **OPTIONS)

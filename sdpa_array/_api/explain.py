@@ -11,8 +11,9 @@ from typing import Any
 
 from .._arrays.typing import Array
 from .._kernels.native import plan_native_vjp
-from .._plan.plan import Outputs, plan_forward, plan_vjp
+from .._plan.plan import plan_forward, plan_vjp
 from .._problem.options import Options
+from .._problem.outputs import Outputs
 from .layout import check_layout, swap_heads_and_length
 
 __all__ = ["Explanation", "explain"]
@@ -72,6 +73,7 @@ def explain(
     *,
     return_weights: bool = False,
     return_lse: bool = False,
+    return_max_scores: bool = False,
     implementation: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -86,7 +88,7 @@ def explain(
     ----------
     query, key, value : array
         As for :func:`~sdpa_array.scaled_dot_product_attention`.
-    return_weights, return_lse, implementation, block_q, block_k, layout
+    return_weights, return_lse, return_max_scores, implementation, block_q, block_k, layout
         As for :func:`~sdpa_array.scaled_dot_product_attention` (the VJP is explained with
         the same ``implementation`` where it has it, else ``"auto"``).
     **options
@@ -118,7 +120,7 @@ def explain(
     check_layout(layout, {"query": query, "key": key, "value": value})
     if layout == "BLHE":  # planned as the call runs: heads first
         query, key, value = swap_heads_and_length(query, key, value)
-    outputs = Outputs.of(return_weights, return_lse)
+    outputs = Outputs.of(return_weights, return_lse, return_max_scores)
     blocks = (block_q, block_k)
     plan = plan_forward(query, key, value, given, outputs, implementation, blocks)
     p, x, forward = plan.problem, plan.inputs, plan.choice

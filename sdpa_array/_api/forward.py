@@ -15,11 +15,12 @@ from typing import Any, Literal, overload
 from .._arrays.typing import Alignment, Array, BiasMod, ImplementationName, Layout, MaskMod
 from .._kernels.result import empty_result, finalize
 from .._plan import autograd as _autograd
-from .._plan.plan import Outputs, plan_forward
+from .._plan.plan import plan_forward
 from .._problem.options import Options
+from .._problem.outputs import Outputs
 from .._problem.problem import validate
 from .jax_eager import eager_jax, run_jitted
-from .layout import check_layout, swap_heads_and_length
+from .layout import check_layout, heads_first_forward
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -49,6 +50,7 @@ def scaled_dot_product_attention(
     bias_mod: BiasMod | None = ...,
     return_weights: Literal[False] = ...,
     return_lse: Literal[False] = ...,
+    return_max_scores: Literal[False] = ...,
     implementation: ImplementationName = ...,
     block_q: int | None = ...,
     block_k: int | None = ...,
@@ -81,6 +83,7 @@ def scaled_dot_product_attention(
     bias_mod: BiasMod | None = ...,
     return_weights: Literal[True],
     return_lse: Literal[False] = ...,
+    return_max_scores: Literal[False] = ...,
     implementation: ImplementationName = ...,
     block_q: int | None = ...,
     block_k: int | None = ...,
@@ -113,6 +116,7 @@ def scaled_dot_product_attention(
     bias_mod: BiasMod | None = ...,
     return_weights: Literal[False] = ...,
     return_lse: Literal[True],
+    return_max_scores: Literal[False] = ...,
     implementation: ImplementationName = ...,
     block_q: int | None = ...,
     block_k: int | None = ...,
@@ -145,11 +149,78 @@ def scaled_dot_product_attention(
     bias_mod: BiasMod | None = ...,
     return_weights: Literal[True],
     return_lse: Literal[True],
+    return_max_scores: Literal[False] = ...,
     implementation: ImplementationName = ...,
     block_q: int | None = ...,
     block_k: int | None = ...,
     layout: Layout = ...,
 ) -> tuple[Array, Array, Array]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    /,
+    *,
+    mask: Array | None = ...,
+    bias: Array | None = ...,
+    is_causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    alignment: Alignment = ...,
+    scale: float | Array | None = ...,
+    softcap: float | None = ...,
+    enable_gqa: bool = ...,
+    query_lengths: int | Array | None = ...,
+    key_lengths: int | Array | None = ...,
+    segment_ids: tuple[Array, Array] | None = ...,
+    sinks: Array | None = ...,
+    dropout_p: float = ...,
+    dropout_seed: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    bias_mod: BiasMod | None = ...,
+    return_weights: bool = ...,
+    return_lse: bool = ...,
+    return_max_scores: Literal[True],
+    implementation: ImplementationName = ...,
+    block_q: int | None = ...,
+    block_k: int | None = ...,
+    layout: Layout = ...,
+) -> tuple[Array, ...]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    /,
+    *,
+    mask: Array | None = ...,
+    bias: Array | None = ...,
+    is_causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    alignment: Alignment = ...,
+    scale: float | Array | None = ...,
+    softcap: float | None = ...,
+    enable_gqa: bool = ...,
+    query_lengths: int | Array | None = ...,
+    key_lengths: int | Array | None = ...,
+    segment_ids: tuple[Array, Array] | None = ...,
+    sinks: Array | None = ...,
+    dropout_p: float = ...,
+    dropout_seed: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    bias_mod: BiasMod | None = ...,
+    return_weights: bool = ...,
+    return_lse: bool = ...,
+    return_max_scores: bool = ...,
+    implementation: ImplementationName = ...,
+    block_q: int | None = ...,
+    block_k: int | None = ...,
+    layout: Layout = ...,
+) -> Array | tuple[Array, ...]: ...
 
 
 def scaled_dot_product_attention(
@@ -176,6 +247,7 @@ def scaled_dot_product_attention(
     bias_mod: BiasMod | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
+    return_max_scores: bool = False,
     implementation: ImplementationName = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -272,6 +344,15 @@ def scaled_dot_product_attention(
     return_lse : bool, default False
         Also return the log-sum-exp of the final scores ``(..., Hq, L)`` (in the compute
         dtype: float32 for float16/bfloat16 inputs).
+    return_max_scores : bool, default False
+        Also return the maximum scores ``(..., Hq)``: for each batch element and query
+        head, the largest ``scale * q . k`` over its admissible pairs (those no mask,
+        restriction or length excludes), before ``softcap``, ``bias``, ``bias_mod`` and
+        dropout; ``-inf`` for a head with no admissible pair. In the compute dtype, as a
+        statistic (never differentiated: torch detaches it, JAX stops its gradient), for
+        QK-clip / MuonClip training. Computed inside the kernel at ``O(L)`` extra memory
+        (no second pass); the native and Triton kernels do not return it (``"auto"``
+        then runs a generic kernel).
     implementation : str, default "auto"
         One of "auto", "materialized", "blocked", "native", "triton", "dask".
 
@@ -331,6 +412,8 @@ def scaled_dot_product_attention(
         Only if ``return_weights``.
     lse : array, shape (..., Hq, L)
         Only if ``return_lse``.
+    max_scores : array, shape (..., Hq)
+        Only if ``return_max_scores``.
 
     Raises
     ------
@@ -386,28 +469,16 @@ def scaled_dot_product_attention(
         mask_mod=mask_mod,
         bias_mod=bias_mod,
     )
-    outputs = Outputs.of(return_weights, return_lse)
-    flags = {"return_weights": outputs.weights, "return_lse": outputs.lse}
+    outputs = Outputs.of(return_weights, return_lse, return_max_scores)
+    calls = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
+    keywords: dict[str, Any] = {**options.keywords(), **outputs.flags, **calls}
     check_layout(layout, {"query": query, "key": key, "value": value})
     if layout == "BLHE":  # computed heads-first on views, the output swapped back
-        keywords: dict[str, Any] = {
-            **options.keywords(),
-            **flags,
-            "implementation": implementation,
-            "block_q": block_q,
-            "block_k": block_k,
-        }
-        q, k, v = swap_heads_and_length(query, key, value)
-        result = scaled_dot_product_attention(q, k, v, **keywords)
-        if isinstance(result, tuple):
-            return (swap_heads_and_length(result[0])[0], *result[1:])
-        return swap_heads_and_length(result)[0]
+        return heads_first_forward(scaled_dot_product_attention, query, key, value, keywords)
     problem = None
     if eager_jax([query, key, value]):  # compiled whole, once per setup (after the checks)
         problem = validate(query, key, value, options)
         if problem.L and problem.S:
-            calls = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
-            keywords = {**options.keywords(), **flags, **calls}
             done, result = run_jitted(scaled_dot_product_attention, (query, key, value), keywords)
             if done:
                 return result
@@ -418,5 +489,5 @@ def scaled_dot_product_attention(
     if plan.empty:
         result = empty_result(p)
     else:
-        result = _autograd.forward(plan.choice, p, plan.inputs, **flags)
-    return finalize(p, result, **flags)
+        result = _autograd.forward(plan.choice, p, plan.inputs, outputs)
+    return finalize(p, result, outputs)

@@ -10,12 +10,13 @@ log-sum-exp keep their (..., heads, L[, S]) shapes in both layouts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .._arrays.compat import array_namespace
 from .._arrays.typing import Array
 
-__all__ = ["LAYOUTS", "check_layout", "swap_heads_and_length"]
+__all__ = ["LAYOUTS", "check_layout", "heads_first_forward", "swap_heads_and_length"]
 
 #: The ``layout`` values.
 LAYOUTS = ("BHLE", "BLHE")
@@ -47,3 +48,14 @@ def swap_heads_and_length(*arrays: Array) -> tuple[Array, ...]:
         axes[-3], axes[-2] = axes[-2], axes[-3]
         out.append(xp.permute_dims(x, tuple(axes)))
     return tuple(out)
+
+
+def heads_first_forward(
+    function: Callable[..., Any], query: Array, key: Array, value: Array, keywords: dict[str, Any]
+) -> Any:
+    """``function(query, key, value, **keywords)`` on ``"BLHE"`` arrays: called heads first
+    on views, its output (the first of its results) swapped back."""
+    result = function(*swap_heads_and_length(query, key, value), **keywords)
+    if isinstance(result, tuple):
+        return (swap_heads_and_length(result[0])[0], *result[1:])
+    return swap_heads_and_length(result)[0]

@@ -19,10 +19,11 @@ import math
 from .._arrays import inplace
 from .._arrays.parallel import map_blocks
 from .._arrays.typing import Array
+from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .layout import broadcast_if_needed, concat, ungroup
 from .materialized import materialized_attention
-from .operands import Operands, prepare, tile_scores
+from .operands import Operands, prepare, tile_scores, tile_scores_and_maxima
 from .result import AttentionResult
 from .softmax import exp_shift, log_sum_exp, row_sum, safe_reciprocal
 from .tiling import (
@@ -38,33 +39,41 @@ __all__ = ["blocked_attention"]
 
 
 def _query_block(
-    p: Problem, ops: Operands, inner: tuple[int, ...], block: QueryBlock
-) -> tuple[Array, Array]:
-    """Output ``(*inner, rows, Ev)`` and log-sum-exp ``(*inner, rows)`` of one query block.
+    p: Problem, ops: Operands, inner: tuple[int, ...], block: QueryBlock, maxima: bool
+) -> tuple[Array, Array, Array]:
+    """Output ``(*inner, rows, Ev)``, log-sum-exp ``(*inner, rows)`` and, with ``maxima``,
+    the rows' largest scaled products ``(*inner, rows)`` (else ``None``) of one query block.
 
     ``ops`` is one batch slice of the operands and ``inner`` its batch shape.
     """
     xp = p.xp
     rows = slice(block.start, block.stop)
     terms = ops.terms
+    n = block.stop - block.start
     if not block.tiles:
-        n = block.stop - block.start
         out = xp.zeros((*inner, n, p.Ev), dtype=p.compute_dtype, device=p.device)
         if terms.sink is None:
             lse = xp.full((*inner, n), -math.inf, dtype=p.compute_dtype, device=p.device)
         else:  # only the sink is left in each row
             lse = xp.broadcast_to(terms.sink, (*inner, n, 1))[..., 0]
-        return out, lse
+        empty = xp.full((*inner, n), -math.inf, dtype=p.compute_dtype, device=p.device)
+        return out, lse, empty if maxima else None
     q = ops.q[..., rows, :]
-    running_max = total = acc = ref = None
+    running_max = total = acc = ref = best = None
     if terms.sink is not None:  # the sink starts each row: m = sink, l = exp(sink - m)
         running_max = terms.sink
         ref = exp_shift(p, running_max)
         total = xp.exp(running_max - ref)
     for tile in block.tiles:
         cols = slice(tile.start, tile.stop)
-        s, _ = tile_scores(p, ops, q, rows, cols)
-        tile_max = xp.max(s, axis=-1, keepdims=True)
+        if maxima:
+            s, tile_best = tile_scores_and_maxima(p, ops, q, rows, cols)
+            best = tile_best if best is None else xp.maximum(best, tile_best)
+            reuse = not terms.changes_scores  # the final scores are the scaled products
+            tile_max = tile_best if reuse else xp.max(s, axis=-1, keepdims=True)
+        else:
+            s, _ = tile_scores(p, ops, q, rows, cols)
+            tile_max = xp.max(s, axis=-1, keepdims=True)
         new_max = tile_max if running_max is None else xp.maximum(running_max, tile_max)
         new_ref = exp_shift(p, new_max)
         e = xp.exp(inplace.subtract(s, new_ref))
@@ -87,27 +96,29 @@ def _query_block(
     # every operand may broadcast along an inner batch axis that the output has
     out = broadcast_if_needed(xp, out, (*inner, *out.shape[-2:]))
     lse = broadcast_if_needed(xp, lse, (*inner, lse.shape[-1]))
-    return out, lse
+    if best is not None:
+        best = broadcast_if_needed(xp, best[..., 0], (*inner, n))
+    return out, lse, best
 
 
 def blocked_attention(
     p: Problem,
     x: Inputs,
+    outputs: Outputs,
     *,
-    return_weights: bool,
-    return_lse: bool,
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> AttentionResult:
     """Attention with an online softmax over key tiles; memory ``O(block_q * block_k)``.
 
-    ``return_weights`` falls back to the materialized kernel (the weights are the score
-    matrix); the log-sum-exp is a by-product and always computed. Block sizes: see
+    The weights fall back to the materialized kernel (they are the score matrix); the
+    log-sum-exp is a by-product and always computed; the maximum scores are a running
+    maximum per row beside the softmax's. Block sizes: see
     :func:`~sdpa_array._kernels.tiling.choose_block_sizes`.
     """
     bq, bk = choose_block_sizes(p, block_q, block_k)
-    if return_weights:
-        return materialized_attention(p, x, return_weights=True, return_lse=return_lse)
+    if outputs.weights:
+        return materialized_attention(p, x, outputs)
     xp = p.xp
     ops = prepare(p, x)
     batch = p.kernel_batch
@@ -126,17 +137,27 @@ def blocked_attention(
         plans = dict.fromkeys(outer, shared)
     items = [(index, block) for index in outer for block in plans[index]]
     inner = batch[split:]
-    results = map_blocks(xp, lambda item: _query_block(p, slices[item[0]], inner, item[1]), items)
+    maxima = outputs.max_scores
+    results = map_blocks(
+        xp, lambda item: _query_block(p, slices[item[0]], inner, item[1], maxima), items
+    )
 
-    outs, lses = [], []
+    outs, lses, bests = [], [], []
     n_blocks = len(plans[outer[0]])  # every plan covers [0, L) with the same query blocks
     for i in range(len(outer)):
         mine = results[i * n_blocks : (i + 1) * n_blocks]
         outs.append(concat(xp, [r[0] for r in mine], axis=-2))
         lses.append(concat(xp, [r[1] for r in mine], axis=-1))
+        if maxima:
+            bests.append(concat(xp, [r[2] for r in mine], axis=-1))
+
+    def rows(parts: list[Array]) -> Array:
+        whole = xp.reshape(xp.stack(parts), (*batch, p.L)) if split else parts[0]
+        return ungroup(p, whole[..., None])[..., 0]
+
     out = xp.reshape(xp.stack(outs), (*batch, p.L, p.Ev)) if split else outs[0]
-    lse = xp.reshape(xp.stack(lses), (*batch, p.L)) if split else lses[0]
     return AttentionResult(
         out=ungroup(p, out),
-        lse=ungroup(p, lse[..., None])[..., 0] if return_lse else None,
+        lse=rows(lses) if outputs.lse else None,
+        row_maxima=rows(bests) if maxima else None,
     )

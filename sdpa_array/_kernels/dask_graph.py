@@ -37,6 +37,7 @@ from .._arrays.compat import array_namespace, device, is_dask_array
 from .._arrays.typing import Array
 from .._problem.band import Band
 from .._problem.options import Options
+from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem, validate
 from .blocked import blocked_attention
 from .layout import broadcast_if_needed, grouped_operand, grouped_score_term, sum_to_shape, ungroup
@@ -222,9 +223,7 @@ def _forward_part(
 ) -> tuple[Array, Array]:
     """Partial ``(out, lse)`` of one pair, broadcast to the output block's ``shape``."""
     pc, xc = _chunk_call(st, r0, c0, *blocks)
-    r = blocked_attention(
-        pc, xc, return_weights=False, return_lse=True, block_q=st.block_q, block_k=st.block_k
-    )
+    r = blocked_attention(pc, xc, Outputs(lse=True), block_q=st.block_q, block_k=st.block_k)
     return broadcast_if_needed(pc.xp, r.out, shape), broadcast_if_needed(pc.xp, r.lse, shape[:-1])
 
 
@@ -322,24 +321,21 @@ def _graph_applies(p: Problem, x: Inputs) -> bool:
 def dask_attention(
     p: Problem,
     x: Inputs,
+    outputs: Outputs,
     *,
-    return_weights: bool,
-    return_lse: bool,
     block_q: int | None = None,
     block_k: int | None = None,
     split_every: int | None = None,
 ) -> AttentionResult:
     """Attention as a Dask graph of chunk pairs and merge trees (see the module docstring).
 
-    ``return_weights``, inputs that are not Dask arrays, attention sinks, dropout and mask
-    or bias functions fall back to the blocked kernel.
+    The weights, the maximum scores, inputs that are not Dask arrays, attention sinks,
+    dropout and mask or bias functions fall back to the blocked kernel (which computes
+    them lazily on the Dask arrays).
     The result is lazy: nothing is computed here.
     """
-    if return_weights or not _graph_applies(p, x):
-        return blocked_attention(
-            p, x, return_weights=return_weights, return_lse=return_lse,
-            block_q=block_q, block_k=block_k,
-        )  # fmt: skip
+    if outputs.weights or outputs.max_scores or not _graph_applies(p, x):
+        return blocked_attention(p, x, outputs, block_q=block_q, block_k=block_k)
     import dask.array as da
     from dask.array.utils import meta_from_array
     from dask.highlevelgraph import HighLevelGraph
@@ -380,7 +376,7 @@ def dask_attention(
         HighLevelGraph.from_collections(lse_name, dsk, dependencies=deps),
         lse_name, chunks=(*g.batch, g.rows), meta=meta_from_array(meta, ndim=meta.ndim - 1),
     )  # fmt: skip
-    return AttentionResult(out=out, lse=lse if return_lse else None)
+    return AttentionResult(out=out, lse=lse if outputs.lse else None)
 
 
 def _backward_part(st: _Static, r0: int, c0: int, *blocks: Array) -> tuple[Array, ...]:
@@ -435,9 +431,8 @@ def dask_vjp(
     fan_in = _fan_in(split_every)
     if out is None or lse is None:
         forward = dask_attention(
-            p, x, return_weights=False, return_lse=True, block_q=block_q, block_k=block_k,
-            split_every=fan_in,
-        )  # fmt: skip
+            p, x, Outputs(lse=True), block_q=block_q, block_k=block_k, split_every=fan_in
+        )
         out, lse = forward.out, forward.lse
     g, st = _grid(p, x), _static(p, block_q, block_k)
     rows = [*g.batch, g.rows]

@@ -3,28 +3,32 @@
 The textbook computation (scores, stable softmax, product with V) in the compute dtype, as
 one tile covering every query and key: the simplest kernel, and the fastest for small calls.
 Sinks add ``exp(sink - m)`` to each row's denominator (``m`` the larger of the row maximum and
-the sink); dropout zeroes weights after the softmax, so the log-sum-exp ignores it.
+the sink); dropout zeroes weights after the softmax, so the log-sum-exp ignores it. The rows'
+largest scaled products (for the maximum scores) come from the same tile.
 """
 
 from __future__ import annotations
 
+from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .layout import ungroup
-from .operands import prepare, tile_scores
+from .operands import prepare, tile_scores, tile_scores_and_maxima
 from .result import AttentionResult
 from .softmax import exp_shift, log_sum_exp, safe_reciprocal
 
 __all__ = ["materialized_attention"]
 
 
-def materialized_attention(
-    p: Problem, x: Inputs, *, return_weights: bool, return_lse: bool
-) -> AttentionResult:
+def materialized_attention(p: Problem, x: Inputs, outputs: Outputs) -> AttentionResult:
     """Attention with the full score matrix; memory ``O(L * S)`` per batch and head."""
     xp = p.xp
     ops = prepare(p, x)
     rows, cols = slice(0, p.L), slice(0, p.S)
-    s, _ = tile_scores(p, ops, ops.q, rows, cols)
+    maxima = None
+    if outputs.max_scores:
+        s, maxima = tile_scores_and_maxima(p, ops, ops.q, rows, cols)
+    else:
+        s, _ = tile_scores(p, ops, ops.q, rows, cols)
     row_max = exp_shift(p, ops.terms.row_max(xp, xp.max(s, axis=-1, keepdims=True)))
     e = xp.exp(s - row_max)
     total = xp.sum(e, axis=-1, keepdims=True)
@@ -36,6 +40,7 @@ def materialized_attention(
         e = ops.dropout.tile(xp, e, rows, cols, p.device, scaled=False)
         inv = inv * ops.dropout.factor
     out = ungroup(p, xp.matmul(e, ops.v) * inv)
-    weights = ungroup(p, e * inv) if return_weights else None
-    lse = ungroup(p, log_sum_exp(p, row_max, total)[..., None])[..., 0] if return_lse else None
-    return AttentionResult(out=out, weights=weights, lse=lse)
+    weights = ungroup(p, e * inv) if outputs.weights else None
+    lse = ungroup(p, log_sum_exp(p, row_max, total)[..., None])[..., 0] if outputs.lse else None
+    row_maxima = None if maxima is None else ungroup(p, maxima)[..., 0]
+    return AttentionResult(out=out, weights=weights, lse=lse, row_maxima=row_maxima)

@@ -39,7 +39,14 @@ from .restrictions import DenseMask, Restrictions
 from .score_terms import ScoreTerms
 from .sequences import sequence_members
 
-__all__ = ["Operands", "kernel_scale", "prepare", "prepare_rows", "tile_scores"]
+__all__ = [
+    "Operands",
+    "kernel_scale",
+    "prepare",
+    "prepare_rows",
+    "tile_scores",
+    "tile_scores_and_maxima",
+]
 
 
 @dataclass(frozen=True)
@@ -166,8 +173,38 @@ def tile_scores(
     Returns the scores and, with ``need_factor``, the factor that takes their gradient back
     to ``q kᵀ`` (see :meth:`ScoreTerms.apply`).
     """
+    s, factor, _ = _tile(p, ops, q_rows, rows, cols, need_factor=need_factor, maxima=False)
+    return s, factor
+
+
+def tile_scores_and_maxima(
+    p: Problem, ops: Operands, q_rows: Array, rows: slice, cols: slice
+) -> tuple[Array, Array]:
+    """Final scores of the tile (as :func:`tile_scores`) and each row's largest scaled
+    product ``scale · q·k`` over the tile's admissible pairs, ``(..., rows, 1)``: ``-inf``
+    where it has none.
+
+    Without a term beyond the scale (:attr:`ScoreTerms.changes_scores`) the maxima are
+    those of the final scores, which an online softmax takes anyway; otherwise the scaled
+    products are kept beside the scores and masked alike.
+    """
+    s, _, maxima = _tile(p, ops, q_rows, rows, cols, need_factor=False, maxima=True)
+    return s, maxima
+
+
+def _tile(
+    p: Problem,
+    ops: Operands,
+    q_rows: Array,
+    rows: slice,
+    cols: slice,
+    *,
+    need_factor: bool,
+    maxima: bool,
+) -> tuple[Array, Any, Array]:
     xp = p.xp
     raw = xp.matmul(q_rows, xp.matrix_transpose(ops.k[..., cols, :]))
+    scaled = ops.terms.scaled(raw) if maxima and ops.terms.changes_scores else None
     s, factor = ops.terms.apply(xp, raw, rows, cols, need_factor=need_factor)
     # columns that every query of the tile may attend keep their scores without a mask
     masked = ops.restrictions.partial_columns(rows, cols)
@@ -178,4 +215,9 @@ def tile_scores(
         excluded = xp.asarray(-math.inf, dtype=s.dtype, device=p.device)
         within = slice(masked.start - cols.start, masked.stop - cols.start)
         s = inplace.where_columns(xp, s, within, allowed, excluded)
-    return s, factor
+        if scaled is not None:
+            scaled = inplace.where_columns(xp, scaled, within, allowed, excluded)
+    row_maxima = None
+    if maxima:
+        row_maxima = xp.max(s if scaled is None else scaled, axis=-1, keepdims=True)
+    return s, factor, row_maxima

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from .._arrays.typing import Array
+from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .layout import broadcast_if_needed, sum_to_shape, ungroup
 
@@ -36,11 +37,16 @@ class AttentionResult:
         ``(..., Hq, L, S)`` attention probabilities, when requested.
     lse : array or None
         ``(..., Hq, L)`` log-sum-exp of the final scores, when requested.
+    row_maxima : array or None
+        ``(..., Hq, L)`` each query row's largest ``scale · q·k`` over its admissible keys
+        (``-inf`` where it has none), when the maximum scores are requested:
+        :func:`finalize` reduces them over the rows.
     """
 
     out: Array
     weights: Array = None
     lse: Array = None
+    row_maxima: Array = None
 
 
 @dataclass(frozen=True)
@@ -72,28 +78,40 @@ def empty_result(p: Problem) -> AttentionResult:
         out=xp.zeros(p.out_shape, dtype=p.dtype, device=p.device),
         weights=xp.zeros(p.score_shape, dtype=p.dtype, device=p.device),
         lse=xp.full(p.score_shape[:-1], -math.inf, dtype=p.compute_dtype, device=p.device),
+        row_maxima=xp.full(p.score_shape[:-1], -math.inf, dtype=p.compute_dtype, device=p.device),
     )
 
 
-def finalize(
-    p: Problem, result: AttentionResult, *, return_weights: bool, return_lse: bool
-) -> Array | tuple[Array, ...]:
-    """Cast to the input dtype, broadcast to the full batch shape and pack the return value.
+def finalize(p: Problem, result: AttentionResult, outputs: Outputs) -> Array | tuple[Array, ...]:
+    """Cast to the input dtype, broadcast to the full batch shape and pack the return value:
+    ``out``, then the weights, the log-sum-exp and the maximum scores that ``outputs``
+    asks for, in that order.
 
-    ``out`` and ``weights`` take the input dtype; ``lse`` stays in the compute dtype (float32
-    for float16/bfloat16 inputs, as FlashAttention returns it).
+    ``out`` and ``weights`` take the input dtype; ``lse`` and the maximum scores stay in the
+    compute dtype (float32 for float16/bfloat16 inputs, as FlashAttention returns the
+    log-sum-exp). The maximum scores are the rows' maxima reduced over the query axis
+    (``-inf`` without queries).
     """
     xp = p.xp
     out = broadcast_if_needed(xp, xp.astype(result.out, p.dtype, copy=False), p.out_shape)
-    if not (return_weights or return_lse):
+    if not (outputs.weights or outputs.lse or outputs.max_scores):
         return out
     extras: list[Array] = [out]
-    if return_weights:
+    if outputs.weights:
         weights = xp.astype(result.weights, p.dtype, copy=False)
         extras.append(broadcast_if_needed(xp, weights, p.score_shape))
-    if return_lse:
+    if outputs.lse:
         lse = xp.astype(result.lse, p.compute_dtype, copy=False)
         extras.append(broadcast_if_needed(xp, lse, p.score_shape[:-1]))
+    if outputs.max_scores:
+        rows = xp.astype(result.row_maxima, p.compute_dtype, copy=False)
+        rows = broadcast_if_needed(xp, rows, p.score_shape[:-1])
+        if p.L == 0:
+            maxima = xp.full(p.score_shape[:-2], -math.inf, dtype=rows.dtype, device=p.device)
+        else:
+            # keepdims, then an ellipsis index: NumPy reduces 1-D arrays to scalars
+            maxima = xp.max(rows, axis=-1, keepdims=True)[..., 0]
+        extras.append(maxima)
     return tuple(extras)
 
 

@@ -70,6 +70,17 @@ class ScoreTerms:
             return False
         return self.scale > 0 and math.frexp(self.scale)[0] == 0.5
 
+    @property
+    def changes_scores(self) -> bool:
+        """Whether a term beyond the scale changes the scores (softcap, bias, bias
+        function): the final scores are then not the scaled products ``scale · q·k``."""
+        return self.softcap is not None or self.bias is not None or self.bias_mod is not None
+
+    def scaled(self, raw: Array) -> Array:
+        """``scale · q kᵀ`` of a tile from its raw product, as a new array (:meth:`apply`
+        may overwrite ``raw``)."""
+        return raw * (1.0 if self.scale_in_query else self.scale)
+
     def at(self, index: tuple[int, ...]) -> ScoreTerms:
         """The terms of the outer batch slice ``index``."""
         if (self.bias is None and self.sink is None and self.bias_mod is None) or not index:

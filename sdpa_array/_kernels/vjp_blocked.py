@@ -41,6 +41,7 @@ from typing import Any
 from .._arrays.parallel import get_num_threads, map_blocks
 from .._arrays.slicing import tile_of
 from .._arrays.typing import Array
+from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .blocked import blocked_attention
 from .gradients import BackwardOperands, prepare_backward, sink_gradient, tile_gradients
@@ -310,9 +311,7 @@ def blocked_vjp(
     plan = plan_backward(p, ops.restrictions, block_q, block_k)
     sink_needs_lse = x.sinks is not None and grad_lse is not None
     if out is None and (not plan.rows_fit_one_tile or sink_needs_lse):
-        forward = blocked_attention(
-            p, x, return_weights=False, return_lse=True, block_q=block_q, block_k=block_k
-        )
+        forward = blocked_attention(p, x, Outputs(lse=True), block_q=block_q, block_k=block_k)
         out, lse = forward.out, forward.lse
     b = prepare_backward(p, x, grad_output, ops=ops, out=out, lse=lse, grad_lse=grad_lse)
 

@@ -9,6 +9,7 @@ every product runs once over all queries and keys. Memory is ``O(L * S)`` per ba
 from __future__ import annotations
 
 from .._arrays.typing import Array
+from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .gradients import prepare_backward, sink_gradient, tile_gradients
 from .materialized import materialized_attention
@@ -34,7 +35,7 @@ def materialized_vjp(
     log-sum-exp cotangent ``(..., Hq, L)``.
     """
     if x.sinks is not None and out is None and grad_lse is not None:  # g needs O and lse
-        forward = materialized_attention(p, x, return_weights=False, return_lse=True)
+        forward = materialized_attention(p, x, Outputs(lse=True))
         out, lse = forward.out, forward.lse
     b = prepare_backward(p, x, grad_output, out=out, lse=lse, grad_lse=grad_lse)
     rows = slice(0, p.L)

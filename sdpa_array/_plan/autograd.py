@@ -43,31 +43,50 @@ from .._arrays.compat import namespace_name
 from .._arrays.typing import Array
 from .._kernels.native import Request, plan_native
 from .._kernels.result import AttentionResult, finish_gradients
+from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .dispatch import Choice, choose
 
 __all__ = ["forward"]
 
 
-def forward(
-    choice: Choice, p: Problem, x: Inputs, *, return_weights: bool, return_lse: bool
-) -> AttentionResult:
+def forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> AttentionResult:
     """Run ``choice``'s forward kernel, through an autograd wrapper where one is needed.
 
     The wrapper runs when the row says ``own_autograd``, the arrays need gradients (torch
     tensors with ``requires_grad`` while grad mode is on, JAX tracers) and the weights are
     not asked for (they are the score matrix anyway, so the library's own autodiff of the
-    materialized fallback is as good).
+    materialized fallback is as good). The maximum scores are a statistic, never
+    differentiated on any path: a detached torch tensor, ``jax.lax.stop_gradient`` in JAX.
     """
-    if not return_weights:
+    result = _forward(choice, p, x, outputs)
+    if result.row_maxima is None:
+        return result
+    return dataclasses.replace(result, row_maxima=_statistic(p, result.row_maxima))
+
+
+def _forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> AttentionResult:
+    if not outputs.weights:
         library = namespace_name(p.xp)
         if library == "torch" and _torch_needs_grad(x):
-            backward = _torch_backward_choice(choice, p, x, return_lse)
+            backward = _torch_backward_choice(choice, p, x, outputs.lse)
             if backward is not None:
-                return _torch_forward(choice, backward, p, x, return_lse)
+                return _torch_forward(choice, backward, p, x, outputs)
         if library == "jax" and choice.row.own_autograd and _jax_traced(x):
-            return _jax_forward(choice, p, x, return_lse)
-    return choice.forward(p, x, return_weights=return_weights, return_lse=return_lse)
+            return _jax_forward(choice, p, x, outputs)
+    return choice.forward(p, x, outputs)
+
+
+def _statistic(p: Problem, a: Array) -> Array:
+    """``a`` cut from autodiff (torch: detached; JAX: ``stop_gradient``)."""
+    library = namespace_name(p.xp)
+    if library == "torch":
+        return a.detach()
+    if library == "jax":
+        import jax
+
+        return jax.lax.stop_gradient(a)
+    return a
 
 
 def _torch_backward_choice(
@@ -84,7 +103,7 @@ def _torch_backward_choice(
     if choice.row.own_autograd:
         return choice
     if choice.name == "native" and return_lse:
-        delegation = plan_native(p, Request(x, False, True))
+        delegation = plan_native(p, Request(x, Outputs(lse=True)))
         if not (delegation.lse_differentiable and delegation.twice_differentiable):
             return choose(p, "auto", vjp_inputs=x, lse_cotangent=True)
     return None
@@ -107,9 +126,10 @@ def _with_scale(p: Problem, scale: Array) -> Problem:
     return p if scale is None else dataclasses.replace(p, scale=scale)
 
 
-def _out_and_lse(choice: Choice, p: Problem, x: Inputs) -> tuple[Array, Array]:
-    r = choice.forward(p, x, return_weights=False, return_lse=True)
-    return r.out, r.lse
+def _out_and_lse(choice: Choice, p: Problem, x: Inputs, maxima: bool) -> tuple[Array, ...]:
+    """``(out, lse)``, and the rows' maxima with ``maxima``."""
+    r = choice.forward(p, x, Outputs(lse=True, max_scores=maxima))
+    return (r.out, r.lse, r.row_maxima) if maxima else (r.out, r.lse)
 
 
 def _gradients(
@@ -153,20 +173,23 @@ def _torch_function() -> Any:
             p: Problem,
             choice: Choice,
             backward: Choice,
-        ) -> tuple[Any, Any]:
+            maxima: bool,
+        ) -> tuple[Any, ...]:
             x = Inputs(query, key, value, mask, bias, scale, sinks)
-            return _out_and_lse(choice, _with_scale(p, scale), x)
+            return _out_and_lse(choice, _with_scale(p, scale), x, maxima)
 
         @staticmethod
-        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, Any]) -> None:
-            query, key, value, bias, sinks, scale, mask, p, _, backward = inputs
-            out, lse = output
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+            query, key, value, bias, sinks, scale, mask, p, _, backward, _ = inputs
+            out, lse = output[:2]
+            if len(output) == 3:  # the rows' maxima: a statistic
+                ctx.mark_non_differentiable(output[2])
             ctx.save_for_backward(query, key, value, bias, sinks, scale, mask, out, lse)
             ctx.p, ctx.backward_choice = p, backward
             ctx.set_materialize_grads(False)
 
         @staticmethod
-        def backward(ctx: Any, grad_out: Any, grad_lse: Any) -> tuple[Any, ...]:
+        def backward(ctx: Any, grad_out: Any, grad_lse: Any, *_: Any) -> tuple[Any, ...]:
             query, key, value, bias, sinks, scale, mask, out, lse = ctx.saved_tensors
             if grad_out is None:
                 grad_out = torch.zeros_like(out)
@@ -178,41 +201,56 @@ def _torch_function() -> Any:
                 # kernel's gradients have none, so the blocked kernel computes them
                 choice = Choice("blocked")
             grads = _gradients(choice, p, x, out, lse, grad_out, grad_lse)
-            return (*grads, None, None, None, None)
+            return (*grads, None, None, None, None, None)
 
     return OwnBackward
 
 
 def _torch_forward(
-    choice: Choice, backward: Choice, p: Problem, x: Inputs, return_lse: bool
+    choice: Choice, backward: Choice, p: Problem, x: Inputs, outputs: Outputs
 ) -> AttentionResult:
     function = _torch_function()
-    out, lse = function.apply(
-        x.query, x.key, x.value, x.bias, x.sinks, x.scale, x.mask, p, choice, backward
+    out, lse, *maxima = function.apply(
+        x.query,
+        x.key,
+        x.value,
+        x.bias,
+        x.sinks,
+        x.scale,
+        x.mask,
+        p,
+        choice,
+        backward,
+        outputs.max_scores,
     )
-    return AttentionResult(out=out, lse=lse if return_lse else None)
+    return AttentionResult(
+        out=out, lse=lse if outputs.lse else None, row_maxima=maxima[0] if maxima else None
+    )
 
 
-def _jax_forward(choice: Choice, p: Problem, x: Inputs, return_lse: bool) -> AttentionResult:
+def _jax_forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> AttentionResult:
     import jax
+
+    maxima = outputs.max_scores
 
     @jax.custom_vjp
     def attention(
         query: Any, key: Any, value: Any, mask: Any, bias: Any, sinks: Any, scale: Any
-    ) -> tuple[Any, Any]:
+    ) -> tuple[Any, ...]:
         x = Inputs(query, key, value, mask, bias, scale, sinks)
-        return _out_and_lse(choice, _with_scale(p, scale), x)
+        return _out_and_lse(choice, _with_scale(p, scale), x, maxima)
 
     def fwd(
         query: Any, key: Any, value: Any, mask: Any, bias: Any, sinks: Any, scale: Any
-    ) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
+    ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         x = Inputs(query, key, value, mask, bias, scale, sinks)
-        out, lse = _out_and_lse(choice, _with_scale(p, scale), x)
-        return (out, lse), (query, key, value, mask, bias, sinks, scale, out, lse)
+        results = _out_and_lse(choice, _with_scale(p, scale), x, maxima)
+        out, lse = results[:2]
+        return results, (query, key, value, mask, bias, sinks, scale, out, lse)
 
-    def bwd(saved: tuple[Any, ...], cotangents: tuple[Any, Any]) -> tuple[Any, ...]:
+    def bwd(saved: tuple[Any, ...], cotangents: tuple[Any, ...]) -> tuple[Any, ...]:
         query, key, value, mask, bias, sinks, scale, out, lse = saved
-        grad_out, grad_lse = cotangents
+        grad_out, grad_lse = cotangents[:2]  # the rows' maxima are a statistic
         x = Inputs(query, key, value, mask, bias, scale, sinks)
         dq, dk, dv, dbias, dsinks, dscale = _gradients(
             choice, _with_scale(p, scale), x, out, lse, grad_out, grad_lse
@@ -221,7 +259,7 @@ def _jax_forward(choice: Choice, p: Problem, x: Inputs, return_lse: bool) -> Att
 
     attention.defvjp(fwd, bwd)
     try:
-        out, lse = attention(x.query, x.key, x.value, x.mask, x.bias, x.sinks, x.scale)
+        out, lse, *rest = attention(x.query, x.key, x.value, x.mask, x.bias, x.sinks, x.scale)
     except TypeError as exc:
         if "forward-mode" not in str(exc):
             raise
@@ -231,7 +269,7 @@ def _jax_forward(choice: Choice, p: Problem, x: Inputs, return_lse: bool) -> Att
                 "jax.custom_vjp saves O(block) memory); for jax.jvp, jax.jacfwd or "
                 "jax.hessian use implementation='materialized' (or 'auto')"
             ) from exc
-        return Choice("materialized", automatic=True).forward(
-            p, x, return_weights=False, return_lse=return_lse
-        )
-    return AttentionResult(out=out, lse=lse if return_lse else None)
+        return Choice("materialized", automatic=True).forward(p, x, outputs)
+    return AttentionResult(
+        out=out, lse=lse if outputs.lse else None, row_maxima=rest[0] if rest else None
+    )

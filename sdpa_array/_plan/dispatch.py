@@ -33,6 +33,7 @@ from .._kernels.tiling import TILE_BYTES, check_block_sizes
 from .._kernels.triton import CannotUseTritonError, plan_triton, triton_attention, triton_vjp
 from .._kernels.vjp_blocked import blocked_vjp
 from .._kernels.vjp_materialized import materialized_vjp
+from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 
 __all__ = [
@@ -53,9 +54,7 @@ __all__ = [
 class ForwardKernel(Protocol):
     """The signature of every forward kernel."""
 
-    def __call__(
-        self, p: Problem, x: Inputs, *, return_weights: bool, return_lse: bool
-    ) -> AttentionResult: ...
+    def __call__(self, p: Problem, x: Inputs, outputs: Outputs) -> AttentionResult: ...
 
 
 class BackwardKernel(Protocol):
@@ -188,19 +187,16 @@ class Choice:
     def _blocks(self) -> dict[str, int | None]:
         return {"block_q": self.block_q, "block_k": self.block_k} if self.row.takes_blocks else {}
 
-    def forward(
-        self, p: Problem, x: Inputs, *, return_weights: bool, return_lse: bool
-    ) -> AttentionResult:
+    def forward(self, p: Problem, x: Inputs, outputs: Outputs) -> AttentionResult:
         """Run the forward kernel (the planned native call, when it was planned for
         exactly this request)."""
         if self.planned is not None:
             request, delegation = self.planned
-            flags = (request.return_weights, request.return_lse)
-            if request.inputs is x and flags == (return_weights, return_lse):
+            if request.inputs is x and request.outputs == outputs:
                 return delegation.run()
         run = self.row.forward
         x = x.without_padding(p)
-        return run(p, x, return_weights=return_weights, return_lse=return_lse, **self._blocks())
+        return run(p, x, outputs, **self._blocks())
 
     def backward(
         self,
@@ -294,6 +290,8 @@ def choose(
             plan_native_vjp(p, vjp_inputs)
     if implementation == "triton":  # raises CannotUseTritonError before any work
         x = request.inputs if request is not None else vjp_inputs
+        if request is not None and request.outputs.max_scores:
+            raise CannotUseTritonError(NO_TRITON_MAX_SCORES)
         if x is not None:
             plan_triton(p, x)
     return Choice(implementation, False, *blocks)
@@ -316,6 +314,10 @@ def _native_vjp_reason(p: Problem, x: Inputs | None, lse_cotangent: bool) -> str
     if delegation.builds_mask:
         return "native: it would need an (L, S) mask built for the call"
     return None
+
+
+#: Why the Triton kernels refuse a forward call that asks for the maximum scores.
+NO_TRITON_MAX_SCORES = "the Triton kernels do not return the maximum scores"
 
 
 def _triton_reason(p: Problem, x: Inputs) -> str | None:
@@ -382,6 +384,8 @@ def _automatic(
         )
     if p.on_gpu:
         reason = _triton_reason(p, request.inputs)
+        if request.outputs.max_scores:
+            reason = f"triton: {NO_TRITON_MAX_SCORES}"
         if reason is None:
             return "triton", tuple(why), None
         why.append(reason)

@@ -12,26 +12,11 @@ from dataclasses import dataclass
 from .._arrays.typing import Array
 from .._kernels.native import Request
 from .._problem.options import Options
-from .._problem.problem import Inputs, Problem, check_flag, validate
+from .._problem.outputs import Outputs
+from .._problem.problem import Inputs, Problem, validate
 from .dispatch import Choice, choose
 
-__all__ = ["Outputs", "Plan", "plan_forward", "plan_vjp"]
-
-
-@dataclass(frozen=True)
-class Outputs:
-    """What a forward call returns beside ``out`` (torch's ``varlen_attn`` passes the same
-    as an ``AuxRequest``)."""
-
-    weights: bool = False
-    lse: bool = False
-
-    @classmethod
-    def of(cls, return_weights: object, return_lse: object) -> Outputs:
-        """The record of the two flags, each checked to be a bool."""
-        check_flag("return_weights", return_weights)
-        check_flag("return_lse", return_lse)
-        return cls(bool(return_weights), bool(return_lse))
+__all__ = ["Plan", "plan_forward", "plan_vjp"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,7 +62,7 @@ def plan_forward(
     computes it."""
     p = validate(query, key, value, options) if problem is None else problem
     x = Inputs.of(query, key, value, options, p)
-    request = Request(x, outputs.weights, outputs.lse)
+    request = Request(x, outputs)
     return Plan(p, x, outputs, choose(p, implementation, blocks, request=request))
 
 

@@ -37,6 +37,7 @@ def scaled_dot_product_attention(
     bias_mod: Callable[..., Any] | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
+    return_max_scores: bool = False,
     layout: str = "BHLE",
 ) -> np.ndarray | tuple[np.ndarray, ...]:
     """Reference scaled dot-product attention, computed in float64 NumPy.
@@ -111,6 +112,11 @@ def scaled_dot_product_attention(
         Also return the attention weights (after dropout), shape ``(..., Hq, L, S)``.
     return_lse : bool, default False
         Also return the log-sum-exp of the final scores, shape ``(..., Hq, L)``.
+    return_max_scores : bool, default False
+        Also return, per batch element and query head (shape ``(..., Hq)``), the largest
+        ``scale * q . k`` over the pairs that ``mask``, ``mask_mod``, causal, window,
+        lengths and segments admit: before ``softcap``, ``bias`` and ``bias_mod`` (a
+        ``-inf`` bias does not restrict it) and dropout; ``-inf`` where no pair is admitted.
     layout : {"BHLE", "BLHE"}, default "BHLE"
         ``"BLHE"``: ``query``, ``key``, ``value`` and the output are ``(..., L, H, E)``
         (the masks, bias, weights and log-sum-exp keep their shapes).
@@ -123,6 +129,8 @@ def scaled_dot_product_attention(
         Only if ``return_weights``.
     lse : numpy.ndarray
         Only if ``return_lse``; ``-inf`` for rows with no admissible key.
+    max_scores : numpy.ndarray
+        Only if ``return_max_scores``.
 
     Raises
     ------
@@ -199,13 +207,15 @@ def scaled_dot_product_attention(
     )
     fwd = forward_pass(prep, is_causal, window, alignment, softcap)
     out = heads_back(layout, fwd["out"])
-    if not (return_weights or return_lse):
+    if not (return_weights or return_lse or return_max_scores):
         return out
     result = [out]
     if return_weights:
         result.append(fwd["dropped"])
     if return_lse:
         result.append(fwd["lse"])
+    if return_max_scores:
+        result.append(fwd["max_scores"])
     return tuple(result)
 
 

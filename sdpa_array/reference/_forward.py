@@ -175,8 +175,10 @@ def forward_pass(
 ) -> dict[str, np.ndarray]:
     """All forward intermediates, in float64.
 
-    Keys: ``raw`` (scaled scores before softcap), ``z`` (final scores with ``-inf`` at
-    excluded keys), ``allowed`` (boolean, same shape as ``z``), ``has_key`` (per row),
+    Keys: ``raw`` (scaled scores before softcap), ``max_scores`` (``(..., Hq)``, the
+    largest ``raw`` over the pairs the restrictions admit, ``-inf`` without any), ``z``
+    (final scores with ``-inf`` at excluded keys), ``allowed`` (boolean, same shape as
+    ``z``), ``has_key`` (per row),
     ``weights`` (the softmax, before dropout), ``sink_weight`` (``(..., L)``, the sink's share
     of each row, zeros without sinks), ``keep`` (the dropout multiplier ``keep / (1 - p)``,
     or ``None``), ``dropped`` (the weights after dropout), ``out``, ``lse``.
@@ -221,6 +223,9 @@ def forward_pass(
         allowed = allowed & np.broadcast_to(prep["mask"], scores.shape)
     if prep["mask_mod"] is not None:
         allowed = allowed & prep["mask_mod"]
+    # The largest scaled product over the pairs the restrictions admit (a -inf bias does
+    # not restrict: the maximum is taken before the bias), per batch element and head.
+    max_scores = np.max(np.where(allowed, raw, -np.inf), axis=(-2, -1), initial=-np.inf)
     # A -inf score (from the bias) excludes its key. (NaN is not excluded: it propagates.)
     allowed = allowed & (scores != -np.inf)
 
@@ -265,4 +270,5 @@ def forward_pass(
         "dropped": dropped,
         "out": out,
         "lse": lse,
+        "max_scores": max_scores,
     }

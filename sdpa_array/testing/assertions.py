@@ -147,6 +147,7 @@ def assert_close_to_oracle(
     bias: Array | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
+    return_max_scores: bool = False,
     fused: bool = False,
     **options: Any,
 ) -> None:
@@ -163,13 +164,17 @@ def assert_close_to_oracle(
     Parameters
     ----------
     result : array or tuple of arrays
-        What the call returned: ``out``, then ``weights`` and ``lse`` where requested.
+        What the call returned: ``out``, then ``weights``, ``lse`` and ``max_scores``
+        where requested.
     query, key, value : array
         The call's arrays (any library).
     mask, bias : array, optional
         The call's ``mask`` and ``bias``.
-    return_weights, return_lse : bool, default False
-        What the call was asked for.
+    return_weights, return_lse, return_max_scores : bool, default False
+        What the call was asked for. The maximum scores must be within the error of one
+        scaled product ``scale · q·k`` (:func:`~sdpa_array.testing.bounds.score_error`
+        without softcap or bias: the maximum of values each within a bound is within it),
+        and ``-inf`` exactly where the oracle's are.
     fused : bool, default False
         Whether the call ran a fused kernel in the inputs' dtype (see above).
     **options
@@ -178,16 +183,25 @@ def assert_close_to_oracle(
     Raises
     ------
     AssertionError
-        Naming the output (``out``, ``weights``, ``lse``) and what differs.
+        Naming the output (``out``, ``weights``, ``lse``, ``max_scores``) and what differs.
     """
     parts = result if isinstance(result, tuple) else (result,)
-    assert len(parts) == 1 + return_weights + return_lse, f"{len(parts)} arrays returned"
+    expected = 1 + return_weights + return_lse + return_max_scores
+    assert len(parts) == expected, f"{len(parts)} arrays returned, {expected} asked for"
     dtype = dtype_name(query)
     q64, k64, v64 = (_host(a) for a in (query, key, value))
     bias64 = _host_or_none(bias)
     mask_np = None if mask is None else reference.to_numpy(mask)
-    ref_out, ref_w, ref_lse = reference.scaled_dot_product_attention(
-        q64, k64, v64, mask=mask_np, bias=bias64, return_weights=True, return_lse=True, **options
+    ref_out, ref_w, ref_lse, ref_max = reference.scaled_dot_product_attention(
+        q64,
+        k64,
+        v64,
+        mask=mask_np,
+        bias=bias64,
+        return_weights=True,
+        return_lse=True,
+        return_max_scores=True,
+        **options,
     )
     xp = array_namespace({"query": query})
     compute = query.dtype if compute_dtype(dtype) == dtype else xp.float32
@@ -218,11 +232,16 @@ def assert_close_to_oracle(
         bound = output_bound(dtype, S=S, ds=ds, v_max=grow, out_max=grow)
         assert_close(parts[1], ref_w, bound, "weights")
     if return_lse:
+        got_lse = parts[1 + return_weights]
         finite = ref_lse[np.isfinite(ref_lse)]
         lse_max = float(np.max(np.abs(finite))) if finite.size else 0.0
-        assert_array_like(parts[-1], query, shape=ref_lse.shape, dtype=compute)
+        assert_array_like(got_lse, query, shape=ref_lse.shape, dtype=compute)
         bound = lse_bound(dtype, S=S, ds=ds, lse_max=lse_max, base2=fused)
-        assert_close(parts[-1], ref_lse, bound, "lse")
+        assert_close(got_lse, ref_lse, bound, "lse")
+    if return_max_scores:
+        assert_array_like(parts[-1], query, shape=ref_max.shape, dtype=compute)
+        bound = score_error(dtype, q64, k64, scale)
+        assert_close(parts[-1], ref_max, bound, "max_scores")
 
 
 def assert_vjp_close_to_oracle(

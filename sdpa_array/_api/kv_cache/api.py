@@ -60,7 +60,8 @@ def attention_with_kv_cache(
         chosen from its length. Chunks are whole pages, so fewer may result.
     **options
         ``mask``, ``bias``, ``is_causal``, ``window``, ``scale``, ``softcap``,
-        ``enable_gqa``, ``return_lse``: as in :func:`scaled_dot_product_attention`.
+        ``enable_gqa``, ``return_lse``, ``return_max_scores``: as in
+        :func:`scaled_dot_product_attention`.
         ``implementation``: ``"auto"`` (default), ``"triton"``, ``"native"``, ``"blocked"``
         or ``"materialized"``. ``"triton"`` decodes through the Triton decoding kernel
         (see Notes) and raises :class:`CannotUseTritonError` before any work where the
@@ -78,6 +79,9 @@ def attention_with_kv_cache(
         Same library, dtype and device as ``query``.
     lse : array, shape (B, Hq, L)
         Only with ``return_lse=True``; in the compute dtype (float32 for 16-bit inputs).
+    max_scores : array, shape (B, Hq)
+        Only with ``return_max_scores=True``: the largest ``scale * q . k`` over the tokens
+        each head attends (the largest of the chunks'); in the compute dtype.
     key_cache, value_cache : array
         The caches holding the new tokens, unchanged elsewhere. Written in place, and the
         caller's own arrays returned, for NumPy (writable arrays), CuPy, array-api-strict and
@@ -181,14 +185,18 @@ def attention_with_kv_cache(
         options=options,
     )
     caches = write_tokens(c)
-    out, lse = _attend(c, caches)
-    return (out, lse, *caches) if c.return_lse else (out, *caches)
+    out, lse, max_scores = _attend(c, caches)
+    extras = [lse] if c.return_lse else []
+    if c.return_max_scores:
+        extras.append(max_scores)
+    return (out, *extras, *caches)
 
 
-def _attend(c: CacheCall, caches: tuple[Array, Array]) -> tuple[Array, Array]:
-    """The Triton decoding kernel where it applies (:func:`~.decode.decode_call`); else
-    chunk by chunk (:func:`~.chunks.attend_chunks`)."""
+def _attend(c: CacheCall, caches: tuple[Array, Array]) -> tuple[Array, Array, Array]:
+    """Output, log-sum-exp and (where asked for) maximum scores: from the Triton decoding
+    kernel where it applies (:func:`~.decode.decode_call`); else chunk by chunk
+    (:func:`~.chunks.attend_chunks`)."""
     decode = decode_call(c, caches)
     if decode is not None:
-        return triton_decode(c.xp, decode)
+        return (*triton_decode(c.xp, decode), None)
     return attend_chunks(c, caches)

@@ -40,6 +40,7 @@ OPTIONS = (
     "softcap",
     "enable_gqa",
     "return_lse",
+    "return_max_scores",
     "alignment",
     "implementation",
 )
@@ -108,6 +109,7 @@ class CacheCall:
     window: tuple[int | None, int | None] | None
     passed: dict[str, Any]  # scale, softcap, enable_gqa, implementation: to every chunk's call
     return_lse: bool
+    return_max_scores: bool
     problem: Problem  # the query's checks (scale, softcap, dtype and device resolved)
     implementation: str
 
@@ -407,6 +409,7 @@ def check_call(
             if k in options
         },
         return_lse=bool(options.get("return_lse", False)),
+        return_max_scores=bool(options.get("return_max_scores", False)),
         problem=problem,
         implementation=implementation,
     )
@@ -462,6 +465,7 @@ def _checked_options(named: dict[str, Any], options: dict[str, Any]) -> tuple[st
     on a stub call with no keys (scale, softcap, window, GQA resolved), and the Triton
     kernels' refusal where ``implementation="triton"`` cannot run."""
     check_flag("return_lse", options.get("return_lse", False))
+    check_flag("return_max_scores", options.get("return_max_scores", False))
     implementation = options.get("implementation", "auto")
     if not isinstance(implementation, str) or implementation not in IMPLEMENTATION_NAMES:
         raise ValueError(

@@ -176,9 +176,10 @@ def _term_piece(c: CacheCall, term: Array | None, piece: _Piece) -> Array | None
     return xp.permute_dims(span, (2, 0, 1, 3))
 
 
-def _attend_piece(c: CacheCall, caches: tuple[Array, Array], piece: _Piece) -> tuple[Array, Array]:
+def _attend_piece(c: CacheCall, caches: tuple[Array, Array], piece: _Piece) -> tuple[Array, ...]:
     """Partial attention of sequence ``piece.b``'s queries over the piece's tokens:
-    ``(count, Hq, L, Ev)`` and ``(count, Hq, L)``."""
+    ``(count, Hq, L, Ev)``, ``(count, Hq, L)`` and, where asked for, the maximum scores
+    ``(count, Hq)``."""
     xp = c.xp
     b = piece.b
     lengths = c.host_lengths
@@ -191,37 +192,43 @@ def _attend_piece(c: CacheCall, caches: tuple[Array, Array], piece: _Piece) -> t
     user = _term_piece(c, c.mask, piece)
     if user is not None:
         mask = user if mask is None else mask & user
-    out, lse = scaled_dot_product_attention(
+    return scaled_dot_product_attention(
         c.query[b : b + 1, ...],
         k,
         v,
         mask=mask,
         bias=_term_piece(c, c.bias, piece),
         return_lse=True,
+        return_max_scores=c.return_max_scores,
         **c.passed,
     )
-    return out, lse
 
 
-def attend_chunks(c: CacheCall, caches: tuple[Array, Array]) -> tuple[Array, Array]:
-    """Every piece on the thread pool, then one merge per sequence."""
+def attend_chunks(c: CacheCall, caches: tuple[Array, Array]) -> tuple[Array, Array, Array]:
+    """Every piece on the thread pool, then one merge per sequence: output, log-sum-exp
+    and, where asked for, the maximum scores ``(B, Hq)`` (the largest of the pieces'),
+    else ``None``."""
     xp = c.xp
     dtype = c.query.dtype
     compute = dtype if xp.finfo(dtype).bits >= 32 else xp.float32
     Hq, L, Ev = int(c.query.shape[1]), c.L, int(c.value_cache.shape[-1])
     pieces = _plan(c) if L else []
     results = map_blocks(xp, lambda piece: _attend_piece(c, caches, piece), pieces)
-    by_sequence: list[list[tuple[Array, Array]]] = [[] for _ in range(c.B)]
+    by_sequence: list[list[tuple[Array, ...]]] = [[] for _ in range(c.B)]
     for piece, result in zip(pieces, results, strict=True):
         by_sequence[piece.b].append(result)
-    outs, lses = [], []
+    outs, lses, maxima = [], [], []
     for parts in by_sequence:
         if not parts:
             outs.append(xp.zeros((Hq, L, Ev), dtype=dtype, device=c.device))
             lses.append(xp.full((Hq, L), -math.inf, dtype=compute, device=c.device))
+            maxima.append(xp.full((Hq,), -math.inf, dtype=compute, device=c.device))
             continue
-        part_outs = [o for o, _ in parts]
-        part_lses = [s for _, s in parts]
+        part_outs = [part[0] for part in parts]
+        part_lses = [part[1] for part in parts]
+        if c.return_max_scores:
+            part_maxima = xp.concat([part[2] for part in parts], axis=0)  # (pieces, Hq)
+            maxima.append(xp.max(part_maxima, axis=0))
         out, lse = merge_attention_states(
             part_outs[0] if len(parts) == 1 else xp.concat(part_outs, axis=0),
             part_lses[0] if len(parts) == 1 else xp.concat(part_lses, axis=0),
@@ -232,5 +239,7 @@ def attend_chunks(c: CacheCall, caches: tuple[Array, Array]) -> tuple[Array, Arr
         return (
             xp.zeros((0, Hq, L, Ev), dtype=dtype, device=c.device),
             xp.zeros((0, Hq, L), dtype=compute, device=c.device),
+            xp.zeros((0, Hq), dtype=compute, device=c.device) if c.return_max_scores else None,
         )
-    return xp.stack(outs, axis=0), xp.stack(lses, axis=0)
+    stacked = xp.stack(maxima, axis=0) if c.return_max_scores else None
+    return xp.stack(outs, axis=0), xp.stack(lses, axis=0), stacked

@@ -21,7 +21,8 @@ __all__ = ["decode_call"]
 
 def decode_call(c: CacheCall, caches: tuple[Array, Array]) -> DecodeCall | None:
     """The call as the Triton decoding kernel takes it, or ``None`` where it does not run:
-    another ``implementation`` asked for, ``"auto"`` off a GPU, or a call the kernel cannot
+    another ``implementation`` asked for, the maximum scores asked for (the kernel does not
+    return them), ``"auto"`` off a GPU, or a call the kernel cannot
     compute (:func:`decode_reason`, :func:`~sdpa_array._kernels.triton.plan_triton`).
 
     Lengths known only on the device (a torch CUDA graph being captured, where reading them
@@ -30,7 +31,7 @@ def decode_call(c: CacheCall, caches: tuple[Array, Array]) -> DecodeCall | None:
     call can be captured.
     """
     p = c.problem
-    if c.implementation not in ("auto", "triton"):
+    if c.implementation not in ("auto", "triton") or c.return_max_scores:
         return None
     if c.implementation == "auto" and not p.on_gpu:
         return None

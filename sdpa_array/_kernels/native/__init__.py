@@ -35,6 +35,7 @@ from typing import Any
 
 from ..._arrays.compat import namespace_name
 from ..._arrays.typing import Array
+from ..._problem.outputs import Outputs
 from ..._problem.problem import Inputs, Problem
 from ..layout import grouped_operand, grouped_score_term
 from ..result import AttentionResult, RawGrads
@@ -104,9 +105,7 @@ def plan_native(p: Problem, req: Request) -> Delegation:
     )
 
 
-def native_attention(
-    p: Problem, x: Inputs, *, return_weights: bool, return_lse: bool
-) -> AttentionResult:
+def native_attention(p: Problem, x: Inputs, outputs: Outputs) -> AttentionResult:
     """Run the call on the first native kernel that computes it exactly.
 
     Raises
@@ -114,7 +113,7 @@ def native_attention(
     CannotDelegateError
         If no native kernel does (see :func:`plan_native`).
     """
-    req = Request(x, return_weights, return_lse)
+    req = Request(x, outputs)
     return plan_native(p, req).run()
 
 
@@ -130,7 +129,7 @@ def _torch_vjp(p: Problem, x: Inputs, grad_output: Any) -> RawGrads:
     wrt = [q, k, v, *([] if bias is None else [bias])]
     leaf_inputs = Inputs(q, k, v, x.mask, bias, x.scale, x.sinks)
     with torch.enable_grad():
-        out = plan_native(p, Request(leaf_inputs, False, False)).run().out
+        out = plan_native(p, Request(leaf_inputs)).run().out
         grads = torch.autograd.grad(
             out, wrt, grad_output.to(out.dtype), allow_unused=True, materialize_grads=True
         )
@@ -143,7 +142,7 @@ def _jax_vjp(p: Problem, x: Inputs, grad_output: Any) -> RawGrads:
 
     def call(q: Any, k: Any, v: Any, bias: Any) -> Any:
         leaf_inputs = Inputs(q, k, v, x.mask, bias, x.scale, x.sinks)
-        return plan_native(p, Request(leaf_inputs, False, False)).run().out
+        return plan_native(p, Request(leaf_inputs)).run().out
 
     out, pullback = jax.vjp(call, x.query, x.key, x.value, x.bias)
     grads = pullback(p.xp.astype(grad_output, out.dtype))
@@ -180,7 +179,7 @@ def plan_native_vjp(p: Problem, x: Inputs) -> Delegation:
             f"implementation='native' has no backward for {library} arrays; it differentiates "
             f"the native kernels of {', '.join(sorted(_VJP_BY_LIBRARY))}"
         )
-    return plan_native(p, Request(x, False, False))
+    return plan_native(p, Request(x))
 
 
 def native_vjp(

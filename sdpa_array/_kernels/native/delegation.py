@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..._arrays.typing import Array
+from ..._problem.outputs import Outputs
 from ..._problem.problem import Inputs, Problem
 from ..layout import leading_axes, ungroup
 from ..operands import kernel_scale, prepare, tile_scores
@@ -49,11 +50,18 @@ class CannotDelegateError(ValueError):
 
 @dataclass(frozen=True)
 class Request:
-    """The caller's arrays and output flags, beside the validated :class:`Problem`."""
+    """The caller's arrays and the outputs asked for, beside the validated :class:`Problem`."""
 
     inputs: Inputs
-    return_weights: bool
-    return_lse: bool
+    outputs: Outputs = field(default_factory=Outputs)
+
+    @property
+    def return_weights(self) -> bool:
+        return self.outputs.weights
+
+    @property
+    def return_lse(self) -> bool:
+        return self.outputs.lse
 
     @property
     def mask(self) -> Array:
@@ -123,8 +131,9 @@ def refuse(reason: str) -> CannotDelegateError:
     return CannotDelegateError(reason)
 
 
-def common_checks(p: Problem) -> None:
+def common_checks(p: Problem, req: Request) -> None:
     for refused, reason in (
+        (req.outputs.max_scores, "no native kernel returns the maximum scores"),
         (p.has_sequences, "query/key lengths and segment ids are not delegated"),
         (p.softcap is not None, "no native kernel applies a softcap"),
         (p.has_sinks, "no native kernel adds attention sinks"),

@@ -67,7 +67,7 @@ def _jax_has_residual() -> bool:
 
 def plan_jax(p: Problem, req: Request) -> Delegation:
     """``jax.nn.dot_product_attention`` (layout ``BTNH``; XLA forms the score matrix)."""
-    common_checks(p)
+    common_checks(p, req)
     if p.compute_dtype == p.xp.float64:
         raise refuse("jax.nn.dot_product_attention computes the softmax in float32")
     if p.Ev != p.E:

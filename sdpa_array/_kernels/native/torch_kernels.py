@@ -45,7 +45,7 @@ def _torch_sdpa_has_gqa() -> bool:
 
 def plan_torch_public(p: Problem, req: Request) -> Delegation:
     """``torch.nn.functional.scaled_dot_product_attention``: output only, any device."""
-    common_checks(p)
+    common_checks(p, req)
     if req.return_lse or req.return_weights:
         raise refuse("it returns neither the log-sum-exp nor the weights")
     if p.grouped and not _torch_sdpa_has_gqa():
@@ -84,7 +84,7 @@ def _torch_cpu_flash() -> Any:
 
 def plan_torch_cpu_flash(p: Problem, req: Request) -> Delegation:
     """torch's CPU flash-attention kernel, which also returns the log-sum-exp."""
-    common_checks(p)
+    common_checks(p, req)
     if p.on_gpu or str(p.device) != "cpu":
         raise refuse(f"it runs on the CPU only (device {p.device})")
     if p.Ev != p.E:
@@ -130,7 +130,7 @@ CUDA_LSE_KERNELS = (_CUDNN, _FLASH, _EFFICIENT)
 
 def _cuda_lse_checks(p: Problem, req: Request, kernel: str) -> None:
     """The conditions every CUDA kernel returning the log-sum-exp shares."""
-    common_checks(p)
+    common_checks(p, req)
     if not p.on_gpu:
         raise refuse(f"it runs on CUDA devices only (device {p.device})")
     if p.Ev != p.E:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..._arrays.typing import Array
+from ..._problem.outputs import Outputs
 from ..._problem.problem import Inputs, Problem
 from ..layout import ungroup
 from ..operands import prepare, prepare_rows, tile_scores
@@ -24,7 +25,7 @@ from ..result import AttentionResult, RawGrads
 from ..softmax import exp_shift
 from .configs import Blocks, default_blocks
 from .operands import ForwardOperands, forward_operands, strided
-from .plan import plan_triton
+from .plan import CannotUseTritonError, plan_triton
 
 __all__ = [
     "BackwardRun",
@@ -222,9 +223,7 @@ def _weights(p: Problem, x: Inputs, lse: Array) -> Array:
     return ungroup(p, w)
 
 
-def triton_attention(
-    p: Problem, x: Inputs, *, return_weights: bool, return_lse: bool
-) -> AttentionResult:
+def triton_attention(p: Problem, x: Inputs, outputs: Outputs) -> AttentionResult:
     """Attention fused in one Triton kernel (GPU); memory ``O(L)`` beyond the output.
 
     The contract of :class:`sdpa_array._plan.dispatch.ForwardKernel`. ``out`` comes in the
@@ -238,9 +237,11 @@ def triton_attention(
         Where :func:`~.plan.plan_triton` refuses the call.
     """
     plan_triton(p, x)
+    if outputs.max_scores:
+        raise CannotUseTritonError("the Triton kernels do not return the maximum scores")
     r = run_forward(p, x)
-    weights = _weights(p, x, r.lse) if return_weights else None
-    return AttentionResult(out=r.out, weights=weights, lse=r.lse if return_lse else None)
+    weights = _weights(p, x, r.lse) if outputs.weights else None
+    return AttentionResult(out=r.out, weights=weights, lse=r.lse if outputs.lse else None)
 
 
 def triton_vjp(
