@@ -396,7 +396,7 @@ def test_dispatch_entries(triton_dtype: tuple[Backend, str]) -> None:
     log-sum-exp (with dropout), the backward without a saved forward pass."""
     backend, dtype = triton_dtype
     c = _call(backend, dtype, "dropout", seed=1)
-    r = triton_attention(c.p, c.x, return_weights=True, return_lse=True)
+    r = triton_attention(c.p, c.x, Outputs(weights=True, lse=True))
     out, weights, lse = finalize(c.p, r, Outputs(weights=True, lse=True))
     check_forward(c, out, lse)
     opts = c.oracle_options()
