@@ -85,9 +85,9 @@ def random_normal(*shape: int, seed: int = 0) -> np.ndarray:
 class FeatureCase:
     """One case of a feature: shapes of query, key and value, and the call's options.
 
-    Array options are NumPy arrays (or, for ``"mask"``, ``"bias"``... a shape to draw
-    them from: see :meth:`arrays`); functions (``mask_mod``, ``bias_mod``) are given as
-    they are.
+    Array options are NumPy arrays, put on each backend by :meth:`arrays` (floating ones
+    of :data:`FLOAT_OPTIONS` in the case's dtype); numbers, flags and functions
+    (``mask_mod``, ``bias_mod``) are given as they are.
     """
 
     id: str
@@ -111,7 +111,7 @@ class FeatureCase:
         g = rng.standard_normal(out_shape)
 
         def put(name: str, value: Any) -> Any:
-            if isinstance(value, tuple):  # segment ids: (query's, key's)
+            if isinstance(value, tuple):  # segment ids (query's, key's), windows
                 return tuple(put(name, x) for x in value)
             if not isinstance(value, np.ndarray):
                 return value
