@@ -1,11 +1,12 @@
 """The Triton kernels against the float64 oracle, on triton's interpreter or a GPU.
 
-* every feature, forward (``out``, ``lse``) and backward (``dq``, ``dk``, ``dv``, ``dbias``,
-  ``dsinks``, ``dscale``), float16 and float32 (and bfloat16 on a GPU), within the derived
-  bounds of :mod:`sdpa_array.testing.bounds` with the kernels' own terms (``base2``: the
-  softmax in base 2; ``rounded_operands``: probabilities and score gradients rounded to
-  the inputs' dtype before their products), with small blocks so that every phase of the
-  kernels' loops runs (edge blocks, full blocks, online rescaling, padding);
+* every feature, forward (``out``, ``lse``, the maximum scores) and backward (``dq``,
+  ``dk``, ``dv``, ``dbias``, ``dsinks``, ``dscale``), float16 and float32 (and bfloat16 on
+  a GPU), within the derived bounds of :mod:`sdpa_array.testing.bounds` with the kernels'
+  own terms (``base2``: the softmax in base 2; ``rounded_operands``: probabilities and
+  score gradients rounded to the inputs' dtype before their products), with small blocks
+  so that every phase of the kernels' loops runs (edge blocks, full blocks, online
+  rescaling, padding);
 * the dispatch entries (:func:`triton_attention` with weights, :func:`triton_vjp` without
   a saved forward) with their default blocks;
 * the dropout keep mask is :func:`sdpa_array.dropout_keep_mask`'s, bit for bit, in the
@@ -235,11 +236,28 @@ def check_gradients(c: Call, grads: tuple[Any, ...], grad_lse: Any = None) -> No
         assert_within(g, e, b, name)
 
 
+def check_max_scores(c: Call, max_scores: Any) -> None:
+    """The maximum scores (public shape) within the error of one scaled product of the
+    oracle's (:func:`sdpa_array.testing.assert_close_to_oracle` derives that bound)."""
+    q64, k64, v64 = c.f64(c.q), c.f64(c.k), c.f64(c.v)
+    _, ref = reference.scaled_dot_product_attention(
+        q64, k64, v64, mask=_host(c.mask), bias=c.f64(c.bias), return_max_scores=True,
+        **c.oracle_options(),
+    )  # fmt: skip
+    scale = c.p.scale if not c.p.scale_is_array else float(_host(c.scale))
+    compute = c.q.dtype if c.dtype == "float32" else c.p.xp.float32
+    assert_array_like(max_scores, c.q, shape=ref.shape, dtype=compute)
+    assert_close(max_scores, ref, score_error(c.dtype, q64, k64, scale), "max_scores")
+
+
 def forward_and_backward(c: Call, blocks: Blocks | None = SMALL) -> None:
-    """Run the forward kernel, check it, then the backward kernels on its saved output."""
-    r = run_forward(c.p, c.x, blocks=blocks)
-    out, lse = finalize(c.p, AttentionResult(out=r.out, lse=r.lse), Outputs(lse=True))
+    """Run the forward kernel (with the maximum scores), check it, then the backward
+    kernels on its saved output."""
+    r = run_forward(c.p, c.x, blocks=blocks, max_scores=True)
+    result = AttentionResult(out=r.out, lse=r.lse, row_maxima=r.row_maxima)
+    out, lse, max_scores = finalize(c.p, result, Outputs(lse=True, max_scores=True))
     check_forward(c, out, lse)
+    check_max_scores(c, max_scores)
     b = run_backward(c.p, c.x, c.g, out=r.out, lse=r.lse, blocks=blocks)
     check_gradients(c, finish_gradients(c.p, c.x, b.grads))
 

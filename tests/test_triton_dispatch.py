@@ -21,6 +21,7 @@ if importlib.util.find_spec("triton") is None:
     )
 
 import sdpa_array
+from sdpa_array._kernels.result import finalize
 from sdpa_array._kernels.triton import triton_attention
 from sdpa_array._kernels.triton.configs import interpreting
 from sdpa_array._plan import autograd as _autograd
@@ -75,12 +76,19 @@ def test_public_call_runs_the_triton_kernel():
 
 
 def test_autograd_runs_the_triton_backward(monkeypatch):
-    """torch autograd through ``implementation="triton"`` is the VJP's Triton kernel."""
+    """torch autograd through ``implementation="triton"`` is the VJP's Triton kernel; the
+    maximum scores come from the Triton forward kernel, detached."""
     import torch
 
     seen = _spy_backward(monkeypatch)
     q, k, v = _inputs(requires_grad=True)
-    out = sdpa_array.scaled_dot_product_attention(q, k, v, implementation="triton", **OPTIONS)
+    out, best = sdpa_array.scaled_dot_product_attention(
+        q, k, v, implementation="triton", return_max_scores=True, **OPTIONS
+    )
+    assert not best.requires_grad  # the kernel's maximum scores, a statistic
+    p = validate(q, k, v, Options(**OPTIONS))
+    direct = triton_attention(p, Inputs(q, k, v), Outputs(max_scores=True))
+    assert bool((best == finalize(p, direct, Outputs(max_scores=True))[1]).all())
     g = torch.ones_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
     assert seen == ["triton"]

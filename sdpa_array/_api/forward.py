@@ -351,8 +351,8 @@ def scaled_dot_product_attention(
         dropout; ``-inf`` for a head with no admissible pair. In the compute dtype, as a
         statistic (never differentiated: torch detaches it, JAX stops its gradient), for
         QK-clip / MuonClip training. Computed inside the kernel at ``O(L)`` extra memory
-        (no second pass); the native and Triton kernels do not return it (``"auto"``
-        then runs a generic kernel).
+        (no second pass: the blocked, materialized and Triton kernels); torch's and JAX's
+        kernels do not return it (``"native"`` refuses, ``"auto"`` runs another kernel).
     implementation : str, default "auto"
         One of "auto", "materialized", "blocked", "native", "triton", "dask".
 

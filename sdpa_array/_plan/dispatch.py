@@ -290,8 +290,6 @@ def choose(
             plan_native_vjp(p, vjp_inputs)
     if implementation == "triton":  # raises CannotUseTritonError before any work
         x = request.inputs if request is not None else vjp_inputs
-        if request is not None and request.outputs.max_scores:
-            raise CannotUseTritonError(NO_TRITON_MAX_SCORES)
         if x is not None:
             plan_triton(p, x)
     return Choice(implementation, False, *blocks)
@@ -314,10 +312,6 @@ def _native_vjp_reason(p: Problem, x: Inputs | None, lse_cotangent: bool) -> str
     if delegation.builds_mask:
         return "native: it would need an (L, S) mask built for the call"
     return None
-
-
-#: Why the Triton kernels refuse a forward call that asks for the maximum scores.
-NO_TRITON_MAX_SCORES = "the Triton kernels do not return the maximum scores"
 
 
 def _triton_reason(p: Problem, x: Inputs) -> str | None:
@@ -384,8 +378,6 @@ def _automatic(
         )
     if p.on_gpu:
         reason = _triton_reason(p, request.inputs)
-        if request.outputs.max_scores:
-            reason = f"triton: {NO_TRITON_MAX_SCORES}"
         if reason is None:
             return "triton", tuple(why), None
         why.append(reason)

@@ -25,7 +25,7 @@ from ..result import AttentionResult, RawGrads
 from ..softmax import exp_shift
 from .configs import Blocks, default_blocks
 from .operands import ForwardOperands, forward_operands, strided
-from .plan import CannotUseTritonError, plan_triton
+from .plan import plan_triton
 
 __all__ = [
     "BackwardRun",
@@ -41,14 +41,16 @@ __all__ = [
 class ForwardRun:
     """The forward kernel's results.
 
-    ``out`` ``(..., Hq, L, Ev)`` in the inputs' dtype, ``lse`` ``(..., Hq, L)`` in float32 and,
-    when counted, ``counts``: the key blocks each query block computed, ``(Z * H, blocks)``
-    with query blocks in order.
+    ``out`` ``(..., Hq, L, Ev)`` in the inputs' dtype, ``lse`` ``(..., Hq, L)`` in float32,
+    where asked for ``row_maxima`` ``(..., Hq, L)`` in float32 (each row's largest
+    ``scale · q·k`` over its admissible keys) and, when counted, ``counts``: the key blocks
+    each query block computed, ``(Z * H, blocks)`` with query blocks in order.
     """
 
     out: Array
     lse: Array
     counts: Array = None
+    row_maxima: Array = None
 
 
 @dataclass(frozen=True)
@@ -81,9 +83,11 @@ def run_forward(
     blocks: Blocks | None = None,
     count: bool = False,
     ops: ForwardOperands | None = None,
+    max_scores: bool = False,
 ) -> ForwardRun:
     """Run the forward kernel (``blocks``: fixed block sizes; ``count``: also the counts;
-    ``ops``: the operands when the caller prepared them)."""
+    ``ops``: the operands when the caller prepared them; ``max_scores``: also the rows'
+    maxima)."""
     from .launch import device_context, launch_forward
 
     xp = p.xp
@@ -91,17 +95,21 @@ def run_forward(
     s = ops.shape
     out = xp.empty(p.out_shape, dtype=p.dtype, device=p.device)
     lse = xp.empty(p.score_shape[:-1], dtype=xp.float32, device=p.device)
+    rows = xp.empty(p.score_shape[:-1], dtype=xp.float32, device=p.device) if max_scores else None
     if s.Z * s.H == 0:
-        return ForwardRun(out, lse)
+        return ForwardRun(out, lse, row_maxima=rows)
     lead = len(s.outer)
     out_view = strided(xp, out, (*s.heads, p.L, p.Ev), lead)
     lse_view = strided(xp, lse, (*s.heads, p.L), lead)
+    rows_view = None if rows is None else strided(xp, rows, (*s.heads, p.L), lead)
     with device_context(x.query):
-        counts = launch_forward(p, ops, out_view, lse_view, blocks=blocks, count=count)
+        counts = launch_forward(
+            p, ops, out_view, lse_view, row_max=rows_view, blocks=blocks, count=count
+        )
     if count:
         n = -(-p.L // (blocks.block_m if blocks else _default_m(p)))
         counts = _reversed_blocks(p, counts, s.Z * s.H, n)
-    return ForwardRun(out, lse, counts)
+    return ForwardRun(out, lse, counts, rows)
 
 
 def _default_m(p: Problem) -> int:
@@ -237,11 +245,10 @@ def triton_attention(p: Problem, x: Inputs, outputs: Outputs) -> AttentionResult
         Where :func:`~.plan.plan_triton` refuses the call.
     """
     plan_triton(p, x)
-    if outputs.max_scores:
-        raise CannotUseTritonError("the Triton kernels do not return the maximum scores")
-    r = run_forward(p, x)
+    r = run_forward(p, x, max_scores=outputs.max_scores)
     weights = _weights(p, x, r.lse) if outputs.weights else None
-    return AttentionResult(out=r.out, weights=weights, lse=r.lse if outputs.lse else None)
+    lse = r.lse if outputs.lse else None
+    return AttentionResult(out=r.out, weights=weights, lse=lse, row_maxima=r.row_maxima)
 
 
 def triton_vjp(

@@ -252,6 +252,32 @@ def scores(
         factor = 1.0
     if HAS_BIAS:
         t += tl.load(bias_ptrs, mask=bias_ok, other=0.0).to(tl.float32) * LOG2E
+    t = restricted(
+        t, qi, kj, q_end, k_end, off, left, upper, allowed,
+        MASKED, HAS_LEFT, HAS_UPPER, DATA_MASK,
+    )  # fmt: skip
+    return t, factor
+
+
+@jit
+def restricted(
+    t,
+    qi,
+    kj,
+    q_end,
+    k_end,
+    off,
+    left,
+    upper,
+    allowed,
+    MASKED: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    DATA_MASK: tl.constexpr,
+):
+    """``t`` with ``-inf`` at the pairs the restrictions exclude: on ``MASKED`` tiles the
+    keys past ``k_end``, the queries past ``q_end`` and the pairs outside the band; the
+    data mask ``allowed`` (when ``DATA_MASK``) on every tile."""
     if MASKED:
         ok = (kj < k_end) & (qi < q_end)
         if HAS_UPPER:
@@ -263,4 +289,4 @@ def scores(
         t = tl.where(ok, t, float("-inf"))
     elif DATA_MASK:
         t = tl.where(allowed, t, float("-inf"))
-    return t, factor
+    return t

@@ -9,6 +9,8 @@ maximum ``m``, the running sum ``l`` of ``exp2(t - m)`` and the output ``acc``; 
 probabilities are rounded to the inputs' dtype before ``P V`` (as FlashAttention does).
 Tiles that a dense mask or the segment ids empty are skipped after their mask is formed.
 
+With the maximum scores asked for, each row also keeps the largest ``scale · q·k`` over its
+admissible keys (the restrictions applied to the scaled products, before softcap and bias).
 Sinks start each row with ``m = sink``, ``l = 1``; dropout zeroes weights after ``l`` has
 summed them (the log-sum-exp ignores dropout) and multiplies the output by ``1 / (1 - p)``.
 A row with no admissible key gets a zero output and a log-sum-exp of ``-inf`` (the sink
@@ -27,6 +29,7 @@ from .device import (
     key_span,
     matmul,
     mix,
+    restricted,
     row_hashes,
     scores,
     sequence_ends,
@@ -41,6 +44,7 @@ def _forward_tile(
     m_i,
     l_i,
     count,
+    best,
     q,
     n0,
     qi,
@@ -70,6 +74,7 @@ def _forward_tile(
     row_hash,
     col_key,
     drop_limit,
+    sc,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     EVEN_E: tl.constexpr,
@@ -84,11 +89,13 @@ def _forward_tile(
     SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
     COUNT: tl.constexpr,
+    MAX_SCORES: tl.constexpr,
 ):
     """One key block ``[n0, n0 + BLOCK_N)`` of the online softmax; returns the updated
-    ``(acc, m_i, l_i, count)``. ``k_ptrs`` address ``Kᵀ`` ``(BLOCK_E, BLOCK_N)`` and ``v_ptrs``
-    ``V`` ``(BLOCK_N, BLOCK_EV)`` at key 0; ``MASKED``: a block on the band's edge or past
-    ``S``."""
+    ``(acc, m_i, l_i, count, best)``: ``best`` the rows' largest ``sc * q·k`` over their
+    admissible keys so far (with ``MAX_SCORES``). ``k_ptrs`` address ``Kᵀ``
+    ``(BLOCK_E, BLOCK_N)`` and ``v_ptrs`` ``V`` ``(BLOCK_N, BLOCK_EV)`` at key 0;
+    ``MASKED``: a block on the band's edge or past ``S``."""
     cols = n0 + tl.arange(0, BLOCK_N)
     kj = cols[None, :]
     cols_ok = kj < S
@@ -116,6 +123,12 @@ def _forward_tile(
         run = True
     if run:
         qk = matmul(q, k_t, None, IEEE)
+        if MAX_SCORES:  # before softcap and bias, over the pairs the restrictions admit
+            raw = restricted(
+                qk * sc, qi, kj, q_end, k_end, off, left, upper, allowed,
+                MASKED, HAS_LEFT, HAS_UPPER, DATA_MASK,
+            )  # fmt: skip
+            best = tl.maximum(best, tl.max(raw, 1))
         t, _ = scores(
             qk, qi, kj, q_end, k_end, off, left, upper, qk_scale, cap_scale,
             cap_log2, bias_ptrs + n0 * sb_n, rows_ok & cols_ok, allowed,
@@ -133,7 +146,7 @@ def _forward_tile(
         m_i = m_new
         if COUNT:
             count += 1
-    return acc, m_i, l_i, count
+    return acc, m_i, l_i, count, best
 
 
 @jit
@@ -143,6 +156,7 @@ def forward_kernel(
     V,
     Out,
     Lse,
+    RowMax,
     Bias,
     Mask,
     Sinks,
@@ -222,8 +236,11 @@ def forward_kernel(
     SCALE_PTR: tl.constexpr,
     IEEE: tl.constexpr,
     COUNT: tl.constexpr,
+    MAX_SCORES: tl.constexpr,
 ):
-    """Output ``(Z, H, L, EV)`` and log-sum-exp ``(Z, H, L)`` of attention.
+    """Output ``(Z, H, L, EV)`` and log-sum-exp ``(Z, H, L)`` of attention, and with
+    ``MAX_SCORES`` each row's largest ``scale * q·k`` over its admissible keys into
+    ``RowMax`` (``-inf`` without any; laid out as ``Lse``, with its strides).
 
     Every operand comes as a pointer and its strides over ``(Z, H, rows, columns)`` (zero
     along broadcast axes): ``Q`` ``(Z, H, L, E)``, ``K``/``V`` ``(Z, H // G, S, E|EV)``
@@ -293,31 +310,35 @@ def forward_kernel(
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     count = 0 * pid
+    best = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
 
     # the blocks before the band's full part, the full blocks, the blocks after it
     for n0 in range(start, full_start, BLOCK_N):
-        acc, m_i, l_i, count = _forward_tile(
-            acc, m_i, l_i, count, q, n0, qi, rows_ok, q_end, k_end, off, left, upper, S,
+        acc, m_i, l_i, count, best = _forward_tile(
+            acc, m_i, l_i, count, best, q, n0, qi, rows_ok, q_end, k_end, off, left, upper, S,
             k_ptrs, v_ptrs, sk_n, sv_n, e_ok, ev_ok, qk_scale, cap_scale, cap_log2,
             bias_ptrs, sb_n, mask_ptrs, sm_n, q_seg, kseg_ptrs, sks_n, row_hash, col_key,
-            drop_limit, BLOCK_N, True, EVEN_E, EVEN_EV, HAS_LEFT, HAS_UPPER,
+            drop_limit, sc, BLOCK_N, True, EVEN_E, EVEN_EV, HAS_LEFT, HAS_UPPER,
             HAS_BIAS, HAS_MASK, HAS_SEG, DATA_MASK, HAS_DROPOUT, SOFTCAP, IEEE, COUNT,
+            MAX_SCORES,
         )  # fmt: skip
     for n0 in range(full_start, full_stop, BLOCK_N):
-        acc, m_i, l_i, count = _forward_tile(
-            acc, m_i, l_i, count, q, n0, qi, rows_ok, q_end, k_end, off, left, upper, S,
+        acc, m_i, l_i, count, best = _forward_tile(
+            acc, m_i, l_i, count, best, q, n0, qi, rows_ok, q_end, k_end, off, left, upper, S,
             k_ptrs, v_ptrs, sk_n, sv_n, e_ok, ev_ok, qk_scale, cap_scale, cap_log2,
             bias_ptrs, sb_n, mask_ptrs, sm_n, q_seg, kseg_ptrs, sks_n, row_hash, col_key,
-            drop_limit, BLOCK_N, False, EVEN_E, EVEN_EV, HAS_LEFT, HAS_UPPER,
+            drop_limit, sc, BLOCK_N, False, EVEN_E, EVEN_EV, HAS_LEFT, HAS_UPPER,
             HAS_BIAS, HAS_MASK, HAS_SEG, DATA_MASK, HAS_DROPOUT, SOFTCAP, IEEE, COUNT,
+            MAX_SCORES,
         )  # fmt: skip
     for n0 in range(full_stop, stop, BLOCK_N):
-        acc, m_i, l_i, count = _forward_tile(
-            acc, m_i, l_i, count, q, n0, qi, rows_ok, q_end, k_end, off, left, upper, S,
+        acc, m_i, l_i, count, best = _forward_tile(
+            acc, m_i, l_i, count, best, q, n0, qi, rows_ok, q_end, k_end, off, left, upper, S,
             k_ptrs, v_ptrs, sk_n, sv_n, e_ok, ev_ok, qk_scale, cap_scale, cap_log2,
             bias_ptrs, sb_n, mask_ptrs, sm_n, q_seg, kseg_ptrs, sks_n, row_hash, col_key,
-            drop_limit, BLOCK_N, True, EVEN_E, EVEN_EV, HAS_LEFT, HAS_UPPER,
+            drop_limit, sc, BLOCK_N, True, EVEN_E, EVEN_EV, HAS_LEFT, HAS_UPPER,
             HAS_BIAS, HAS_MASK, HAS_SEG, DATA_MASK, HAS_DROPOUT, SOFTCAP, IEEE, COUNT,
+            MAX_SCORES,
         )  # fmt: skip
 
     # normalise; rows with no admissible key (l = 0) and padding queries get zeros
@@ -332,5 +353,8 @@ def forward_kernel(
     o_ptrs = Out + z64 * so_z + h64 * so_h + qi * so_m + offs_ev[None, :] * so_e
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=rows_ok & ev_ok)
     tl.store(Lse + z64 * sl_z + h64 * sl_h + rows * sl_m, lse, mask=rows < L)
+    if MAX_SCORES:
+        best = tl.where(valid, best, float("-inf"))
+        tl.store(RowMax + z64 * sl_z + h64 * sl_h + rows * sl_m, best, mask=rows < L)
     if COUNT:
         tl.store(Count + pid, count)

@@ -182,10 +182,12 @@ def launch_forward(
     out: Strided,
     lse: Strided,
     *,
+    row_max: Strided | None = None,
     blocks: Blocks | None = None,
     count: bool = False,
 ) -> Array:
-    """Run the forward kernel into ``out`` and ``lse``; the tile counts per program when
+    """Run the forward kernel into ``out`` and ``lse`` (and the rows' maxima into
+    ``row_max``, laid out as ``lse``, where given); the tile counts per program when
     ``count`` (with ``blocks``, or the default ones: never autotuned)."""
     if count:
         blocks = blocks or default_blocks(p)
@@ -194,12 +196,14 @@ def launch_forward(
         **_common(p, ops),
         "Out": out.arg,
         "Lse": lse.arg,
+        "RowMax": ops.arg(row_max),
         "Sinks": ops.arg(ops.sinks),
         "Count": ops.arg(counts),
         **_strides("so", "zhme", out.strides),
         **_strides("sl", "zhm", lse.strides),
         **_strides("ss", "zh", ops.strides(ops.sinks, 2)),
         "COUNT": count,
+        "MAX_SCORES": row_max is not None,
         "HAS_SINKS": ops.sinks is not None,
     }
     _run(
