@@ -92,12 +92,17 @@ DOCTEST_SESSION = "tests-numpy"
 
 #: The tests marked ``slow`` (pyproject.toml; ``@pytest.mark.slow_on(library)`` marks a
 #: test's cases on one library's backends): the sessions above deselect them, this one runs
-#: just them, on every CPU backend at once (backends, extras, extra pip requirements).
+#: just them, on every CPU backend at once (backends, extras, extra pip requirements), on
+#: ``SLOW_WORKERS`` pytest-xdist workers.
 SLOW_SESSION = (
     "numpy,numpy:readonly,torch,strict,jax,dask",
     "test,plot,strict,jax,dask",
     [TORCH],
 )
+
+#: Worker processes of the slow session (the CI machine's 2 cores; most of its time is JAX
+#: compiling each case's shapes, one core each).
+SLOW_WORKERS = 2
 
 
 def _define_test_session(
@@ -111,6 +116,7 @@ def _define_test_session(
             f"--cov-fail-under={COVERAGE_FLOOR}",
         ]
     select = ["-m", marks] if marks else []
+    workers = ["-n", str(SLOW_WORKERS)] if name == "tests-slow" else []
 
     def run_tests(session: nox.Session) -> None:
         if reqs:
@@ -122,6 +128,7 @@ def _define_test_session(
         session.run(
             "pytest",
             "--durations=10",
+            *workers,
             *select,
             *targets,
             *(SESSION_FILES.get(name, []) if not session.posargs else []),
