@@ -18,17 +18,10 @@ import pytest
 import sdpa_array
 from sdpa_array import reference
 from sdpa_array.testing import assert_vjp_close_to_oracle
-from tests.paths import FeatureCase, check_on_path
+from tests.paths import FeatureCase, check_on_path, swap_length_and_heads
 
 B, L, S, HQ, HKV, E = 2, 5, 7, 4, 2, 8
 OPTIONS = {"is_causal": True, "enable_gqa": True}
-
-
-def _swap(x):
-    """Axes -3 and -2 exchanged, in x's own library."""
-    xp = sdpa_array._arrays.compat.array_namespace({"x": x})
-    order = [*range(x.ndim - 3), x.ndim - 2, x.ndim - 3, x.ndim - 1]
-    return xp.permute_dims(x, tuple(order))
 
 
 def _case(seed=0):
@@ -104,9 +97,9 @@ def test_jax_grad_under_jit_through_blhe(jax_backend):
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
     assert_vjp_close_to_oracle(
-        (*(_swap(g) for g in grads[:3]), grads[3]),
-        *(_swap(x) for x in (q, k, v)),
-        _swap(d_out),
+        (*(swap_length_and_heads(g) for g in grads[:3]), grads[3]),
+        *(swap_length_and_heads(x) for x in (q, k, v)),
+        swap_length_and_heads(d_out),
         bias=bias,
         **OPTIONS,
     )

@@ -23,7 +23,7 @@ from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .layout import broadcast_if_needed, concat, ungroup
 from .materialized import materialized_attention
-from .operands import Operands, prepare, tile_scores, tile_scores_and_maxima
+from .operands import Operands, prepare, tile_scores_and_maxima
 from .result import AttentionResult
 from .softmax import exp_shift, log_sum_exp, row_sum, safe_reciprocal
 from .tiling import (
@@ -66,14 +66,9 @@ def _query_block(
         total = xp.exp(running_max - ref)
     for tile in block.tiles:
         cols = slice(tile.start, tile.stop)
-        if maxima:
-            s, tile_best = tile_scores_and_maxima(p, ops, q, rows, cols)
+        s, tile_max, tile_best = tile_scores_and_maxima(p, ops, q, rows, cols, maxima=maxima)
+        if tile_best is not None:
             best = tile_best if best is None else xp.maximum(best, tile_best)
-            reuse = not terms.changes_scores  # the final scores are the scaled products
-            tile_max = tile_best if reuse else xp.max(s, axis=-1, keepdims=True)
-        else:
-            s, _ = tile_scores(p, ops, q, rows, cols)
-            tile_max = xp.max(s, axis=-1, keepdims=True)
         new_max = tile_max if running_max is None else xp.maximum(running_max, tile_max)
         new_ref = exp_shift(p, new_max)
         e = xp.exp(inplace.subtract(s, new_ref))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .layout import ungroup
-from .operands import prepare, tile_scores, tile_scores_and_maxima
+from .operands import prepare, tile_scores_and_maxima
 from .result import AttentionResult
 from .softmax import exp_shift, log_sum_exp, safe_reciprocal
 
@@ -24,12 +24,10 @@ def materialized_attention(p: Problem, x: Inputs, outputs: Outputs) -> Attention
     xp = p.xp
     ops = prepare(p, x)
     rows, cols = slice(0, p.L), slice(0, p.S)
-    maxima = None
-    if outputs.max_scores:
-        s, maxima = tile_scores_and_maxima(p, ops, ops.q, rows, cols)
-    else:
-        s, _ = tile_scores(p, ops, ops.q, rows, cols)
-    row_max = exp_shift(p, ops.terms.row_max(xp, xp.max(s, axis=-1, keepdims=True)))
+    s, tile_max, maxima = tile_scores_and_maxima(
+        p, ops, ops.q, rows, cols, maxima=outputs.max_scores
+    )
+    row_max = exp_shift(p, ops.terms.row_max(xp, tile_max))
     e = xp.exp(s - row_max)
     total = xp.sum(e, axis=-1, keepdims=True)
     sink = ops.terms.sink_total(xp, row_max)

@@ -178,18 +178,21 @@ def tile_scores(
 
 
 def tile_scores_and_maxima(
-    p: Problem, ops: Operands, q_rows: Array, rows: slice, cols: slice
-) -> tuple[Array, Array]:
-    """Final scores of the tile (as :func:`tile_scores`) and each row's largest scaled
-    product ``scale · q·k`` over the tile's admissible pairs, ``(..., rows, 1)``: ``-inf``
-    where it has none.
+    p: Problem, ops: Operands, q_rows: Array, rows: slice, cols: slice, *, maxima: bool
+) -> tuple[Array, Array, Array | None]:
+    """Final scores of the tile (as :func:`tile_scores`), their row maxima ``(..., rows,
+    1)`` (what a softmax subtracts), and with ``maxima`` each row's largest scaled product
+    ``scale · q·k`` over the tile's admissible pairs, ``(..., rows, 1)``, ``-inf`` where it
+    has none (else ``None``).
 
-    Without a term beyond the scale (:attr:`ScoreTerms.changes_scores`) the maxima are
-    those of the final scores, which an online softmax takes anyway; otherwise the scaled
+    Without a term beyond the scale (:attr:`ScoreTerms.changes_scores`) the final scores
+    are the scaled products, and both maxima are one reduction; otherwise the scaled
     products are kept beside the scores and masked alike.
     """
-    s, _, maxima = _tile(p, ops, q_rows, rows, cols, need_factor=False, maxima=True)
-    return s, maxima
+    s, _, best = _tile(p, ops, q_rows, rows, cols, need_factor=False, maxima=maxima)
+    if best is not None and not ops.terms.changes_scores:
+        return s, best, best
+    return s, p.xp.max(s, axis=-1, keepdims=True), best
 
 
 def _tile(
