@@ -3,7 +3,8 @@
 * forward (output, weights, log-sum-exp) and gradients (``grad_sinks`` after ``grad_bias``,
   before ``grad_scale``) against the oracle on every path (:mod:`tests.paths`: the VJP and
   autograd among them), backend and dtype, combined with mask, causal, GQA, softcap and a
-  bias, with fully masked rows (zero output, ``lse = sink``); native kernels refuse sinks;
+  bias, with fully masked rows (zero output, ``lse = sink``) and calls without keys (the
+  same, on the path that skips the kernels); native kernels refuse sinks;
 * the oracle against its definition: the gpt-oss formulation (sink as an extra logit
   column, softmax, drop the column) through torch autograd, and central finite differences;
 * autograd through the log-sum-exp reaches the sinks;
@@ -83,6 +84,25 @@ def test_weights_sum_below_one_and_empty_rows_give_the_sink(backend):
     assert np.all(w.sum(-1) < 1)
     assert np.all(out[..., 2, :] == 0)
     np.testing.assert_array_equal(lse[..., 2], np.broadcast_to(reference.to_numpy(sinks), Q[:2]))
+
+
+def test_calls_without_keys_give_the_sink(backend):
+    """With ``S == 0`` no kernel runs: every row's log-sum-exp is its head's sink still, and
+    its output zero; without sinks, ``-inf``."""
+    q, k, v, g, sinks, options = _case(backend, "float32", {}, sinks_shape=(2, 1))
+    empty = (k[..., :0, :], v[..., :0, :])
+    out, lse = sdpa_array.scaled_dot_product_attention(
+        q, *empty, sinks=sinks, return_lse=True, **options
+    )
+    want = np.broadcast_to(reference.to_numpy(sinks)[..., None], Q[:3])
+    np.testing.assert_array_equal(reference.to_numpy(lse), want)
+    assert not np.any(reference.to_numpy(out))
+    _, lse = sdpa_array.scaled_dot_product_attention(q, *empty, return_lse=True, **options)
+    assert np.all(reference.to_numpy(lse) == -np.inf)
+    assert_vjp_close_to_oracle(
+        sdpa_array.scaled_dot_product_attention_vjp(q, *empty, g, sinks=sinks, **options),
+        q, *empty, g, sinks=sinks, **options,
+    )  # fmt: skip
 
 
 def test_grad_order_bias_sinks_scale_and_broadcast_sinks(backend):

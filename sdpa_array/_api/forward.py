@@ -13,14 +13,12 @@ from __future__ import annotations
 from typing import Any, Literal, overload
 
 from .._arrays.typing import Alignment, Array, BiasMod, ImplementationName, Layout, MaskMod
-from .._kernels.result import empty_result, finalize
-from .._plan import autograd as _autograd
-from .._plan.plan import plan_forward
 from .._problem.options import Options
 from .._problem.outputs import Outputs
 from .._problem.problem import validate
 from .jax_eager import eager_jax, run_jitted
 from .layout import check_layout, heads_first_forward
+from .run import run_forward
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -482,12 +480,6 @@ def scaled_dot_product_attention(
             done, result = run_jitted(scaled_dot_product_attention, (query, key, value), keywords)
             if done:
                 return result
-    plan = plan_forward(
-        query, key, value, options, outputs, implementation, (block_q, block_k), problem=problem
+    return run_forward(
+        query, key, value, options, outputs, implementation, (block_q, block_k), problem
     )
-    p = plan.problem
-    if plan.empty:
-        result = empty_result(p)
-    else:
-        result = _autograd.forward(plan.choice, p, plan.inputs, outputs)
-    return finalize(p, result, outputs)

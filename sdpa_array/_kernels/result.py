@@ -67,17 +67,24 @@ class RawGrads:
     dsinks: Array = None
 
 
-def empty_result(p: Problem) -> AttentionResult:
+def empty_result(p: Problem, sinks: Array | None = None) -> AttentionResult:
     """The defined answer when there are no queries or no keys: zeros and ``-inf``.
 
     With ``S == 0`` every query has no admissible key; with ``L == 0`` the arrays are empty.
     Some libraries (Dask) cannot reduce over empty axes, so neither case reaches a kernel.
+    With ``sinks`` each row's softmax holds only its sink, so its log-sum-exp is the sink
+    (differentiable: autograd passes the log-sum-exp's gradient to it).
     """
     xp = p.xp
+    rows = p.score_shape[:-1]
+    if sinks is None:
+        lse = xp.full(rows, -math.inf, dtype=p.compute_dtype, device=p.device)
+    else:
+        lse = xp.broadcast_to(xp.astype(sinks, p.compute_dtype)[..., None], rows)
     return AttentionResult(
         out=xp.zeros(p.out_shape, dtype=p.dtype, device=p.device),
         weights=xp.zeros(p.score_shape, dtype=p.dtype, device=p.device),
-        lse=xp.full(p.score_shape[:-1], -math.inf, dtype=p.compute_dtype, device=p.device),
+        lse=lse,
         row_maxima=xp.full(p.score_shape[:-1], -math.inf, dtype=p.compute_dtype, device=p.device),
     )
 

@@ -1,0 +1,64 @@
+"""Running a planned call: what the public functions do once their arguments are checked.
+
+:func:`run_forward` and :func:`run_vjp` take a heads-first call (``"BHLE"``) and, where the
+caller has it, its validated :class:`~sdpa_array._problem.problem.Problem`; they plan it
+(:mod:`sdpa_array._plan.plan`), run the chosen kernel and finish the result. The public
+forward and VJP functions and the packed variable-length ones (:mod:`.varlen`, one call per
+sequence) end here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._arrays.typing import Array
+from .._kernels.result import empty_result, finalize, finish_gradients, zero_gradients
+from .._plan import autograd as _autograd
+from .._plan.plan import plan_forward, plan_vjp
+from .._problem.options import Options
+from .._problem.outputs import Outputs
+from .._problem.problem import Problem
+
+__all__ = ["run_forward", "run_vjp"]
+
+
+def run_forward(
+    query: Array,
+    key: Array,
+    value: Array,
+    options: Options,
+    outputs: Outputs,
+    implementation: str,
+    blocks: tuple[int | None, int | None],
+    problem: Problem | None = None,
+) -> Any:
+    """Plan a heads-first call (validating it, unless its ``problem`` is given), run it and
+    return the public function's result: the output, then what ``outputs`` asks for."""
+    plan = plan_forward(
+        query, key, value, options, outputs, implementation, blocks, problem=problem
+    )
+    p = plan.problem
+    if plan.empty:
+        result = empty_result(p, plan.inputs.sinks)
+    else:
+        result = _autograd.forward(plan.choice, p, plan.inputs, outputs)
+    return finalize(p, result, outputs)
+
+
+def run_vjp(
+    query: Array,
+    key: Array,
+    value: Array,
+    grad_output: Array,
+    options: Options,
+    implementation: str,
+    blocks: tuple[int | None, int | None],
+    problem: Problem,
+) -> tuple[Array, ...]:
+    """Plan a heads-first VJP call of a validated ``problem`` (``grad_output`` already
+    checked against it), run its backward and return the public function's gradients."""
+    plan = plan_vjp(query, key, value, options, implementation, blocks, problem=problem)
+    if plan.empty:  # nothing reaches the output: every gradient is zero
+        return zero_gradients(problem, plan.inputs)
+    grads = plan.choice.backward(problem, plan.inputs, grad_output)
+    return finish_gradients(problem, plan.inputs, grads)
