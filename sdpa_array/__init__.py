@@ -3,12 +3,14 @@
 :func:`scaled_dot_product_attention` runs on the arrays the caller holds (NumPy, CuPy,
 torch, JAX, Dask, array-api-strict) and returns arrays of the same library, dtype and
 device; :func:`scaled_dot_product_attention_vjp` gives its gradients on the same libraries,
-autograd or not. :func:`merge_attention_states` combines partial results over disjoint key
-sets, and :func:`attention_with_kv_cache` decodes against a contiguous or paged key/value
-cache. :func:`dropout_keep_mask` is the keep mask of attention dropout for a seed, the same
-bits on every library. ``mask_mod``/``bias_mod`` take mask and bias functions of the indices
-instead of dense arrays: ready-made ones are in :mod:`sdpa_array.mods`, and
-:func:`create_block_mask` classifies a mask function's blocks once for reuse.
+autograd or not; :func:`scaled_dot_product_attention_varlen` and its VJP take sequences
+packed along one axis with cumulative offsets. :func:`merge_attention_states` combines
+partial results over disjoint key sets, and :func:`attention_with_kv_cache` decodes against
+a contiguous or paged key/value cache. :func:`dropout_keep_mask` is the keep mask of
+attention dropout for a seed, the same bits on every library. ``mask_mod``/``bias_mod``
+take mask and bias functions of the indices instead of dense arrays: ready-made ones are in
+:mod:`sdpa_array.mods`, and :func:`create_block_mask` classifies a mask function's blocks
+once for reuse.
 :mod:`sdpa_array.reference` is an independent float64 NumPy oracle with the same arguments,
 and :mod:`sdpa_array.testing` checks any result against it.
 """
@@ -20,6 +22,10 @@ from ._api.explain import Explanation, explain
 from ._api.forward import scaled_dot_product_attention
 from ._api.kv_cache import attention_with_kv_cache
 from ._api.multi_head import multi_head_attention
+from ._api.varlen import (
+    scaled_dot_product_attention_varlen,
+    scaled_dot_product_attention_varlen_vjp,
+)
 from ._api.vjp import scaled_dot_product_attention_vjp
 from ._arrays.merge import merge_attention_states
 from ._arrays.parallel import get_num_threads, set_num_threads
@@ -42,6 +48,8 @@ __all__ = [
     "mods",
     "multi_head_attention",
     "scaled_dot_product_attention",
+    "scaled_dot_product_attention_varlen",
+    "scaled_dot_product_attention_varlen_vjp",
     "scaled_dot_product_attention_vjp",
     "set_num_threads",
 ]

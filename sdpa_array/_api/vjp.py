@@ -13,17 +13,26 @@ from typing import Any
 
 from .._arrays.compat import array_namespace
 from .._arrays.typing import Alignment, Array, BiasMod, Layout, MaskMod, VJPImplementationName
-from .._kernels.result import finish_gradients, zero_gradients
-from .._plan.plan import plan_vjp
 from .._problem.options import Options
 from .._problem.problem import Problem, validate
 from .jax_eager import eager_jax, run_jitted
 from .layout import check_layout, swap_heads_and_length
+from .run import run_vjp
 
-__all__ = ["scaled_dot_product_attention_vjp"]
+__all__ = ["check_cotangent", "check_grad_output", "scaled_dot_product_attention_vjp"]
 
 
-def _check_grad_output(p: Problem, query: Array, grad_output: Array) -> None:
+def check_grad_output(p: Problem, query: Array, grad_output: Array) -> None:
+    """Raise unless ``grad_output`` is an array of the inputs' library with the output's
+    dtype and shape ``p.out_shape``."""
+    check_cotangent(query, grad_output, p.out_shape, "(..., Hq, L, Ev)")
+
+
+def check_cotangent(
+    query: Array, grad_output: Array, shape: tuple[int, ...], named: str = "(total_q, Hq, Ev)"
+) -> None:
+    """Raise unless ``grad_output`` is an array of ``query``'s library with its dtype and
+    the output's ``shape`` (``named``: that shape's axes, for the message)."""
     if grad_output is None:
         raise TypeError(
             "grad_output must be an array of the inputs' library "
@@ -41,10 +50,10 @@ def _check_grad_output(p: Problem, query: Array, grad_output: Array) -> None:
         raise TypeError(
             f"grad_output must have the output's dtype {query.dtype}, got {grad_output.dtype}"
         )
-    if tuple(grad_output.shape) != p.out_shape:
+    if tuple(grad_output.shape) != shape:
         raise ValueError(
             f"grad_output has shape {tuple(grad_output.shape)}; it must have the output's "
-            f"shape (..., Hq, L, Ev) = {p.out_shape}"
+            f"shape {named} = {shape}"
         )
 
 
@@ -206,7 +215,7 @@ def scaled_dot_product_attention_vjp(
         )
         return (*swap_heads_and_length(*grads[:3]), *grads[3:])
     p = validate(query, key, value, options)
-    _check_grad_output(p, query, grad_output)
+    check_grad_output(p, query, grad_output)
     if p.L and p.S and eager_jax([query, key, value, grad_output]):  # compiled whole
         calls = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
         done, result = run_jitted(
@@ -216,7 +225,4 @@ def scaled_dot_product_attention_vjp(
         )
         if done:
             return result  # type: ignore[no-any-return]
-    plan = plan_vjp(query, key, value, options, implementation, (block_q, block_k), problem=p)
-    if plan.empty:  # nothing reaches the output: every gradient is zero
-        return zero_gradients(p, plan.inputs)
-    return finish_gradients(p, plan.inputs, plan.choice.backward(p, plan.inputs, grad_output))
+    return run_vjp(query, key, value, grad_output, options, implementation, (block_q, block_k), p)

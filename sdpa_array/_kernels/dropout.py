@@ -118,11 +118,14 @@ def _mix(xp: ModuleType, x: Array, wide: bool) -> Array:
     return x ^ (x >> 16)
 
 
-def key_grid(xp: ModuleType, seed: int, batch_shape: tuple[int, ...], device: Any) -> Array:
+def key_grid(
+    xp: ModuleType, seed: int, batch_shape: tuple[int, ...], device: Any, start: int = 0
+) -> Array:
     """The per-(batch element, head) keys, shape ``batch_shape`` (``(..., Hq)``), as ints.
 
     ``batch_shape`` may lack the heads axis (2-D inputs: ``()``), which then counts as one
-    head; the batch index is flattened over ``batch_shape[:-1]`` in row-major order.
+    head; the batch index is flattened over ``batch_shape[:-1]`` in row-major order and
+    starts at ``start`` (a slice of a larger batch: the packed layout's sequences).
     """
     wide = _wide(xp)
     dtype = _int_dtype(xp)
@@ -130,7 +133,7 @@ def key_grid(xp: ModuleType, seed: int, batch_shape: tuple[int, ...], device: An
     outer = batch_shape[:-1]
     n_outer = math.prod(outer)
     s = xp.asarray(seed_word(seed), dtype=dtype, device=device)
-    b = xp.reshape(xp.arange(n_outer, dtype=dtype, device=device), (n_outer, 1))
+    b = xp.reshape(xp.arange(start, start + n_outer, dtype=dtype, device=device), (n_outer, 1))
     h = xp.reshape(xp.arange(heads, dtype=dtype, device=device), (1, heads))
     keys = _mix(xp, _mix(xp, s ^ b, wide) ^ h, wide)
     return xp.reshape(keys, batch_shape)

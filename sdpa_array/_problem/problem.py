@@ -70,6 +70,10 @@ class Problem:
         Probability of dropping an attention weight (0: no dropout).
     dropout_seed : int or None
         Seed of the keep mask (given when ``dropout_p > 0``).
+    dropout_batch_start : int
+        The flat batch index of the call's first batch element in the keep mask's hash (0;
+        sequence ``n`` of a packed variable-length call runs with ``n``, so that it draws
+        the bits of batch element ``n`` of the padded call).
     mask_mod, bias_mod : callable or None
         The caller's mask and bias functions (``mask_mod`` possibly a ``BlockMask``).
     on_gpu : bool
@@ -100,6 +104,7 @@ class Problem:
     has_sinks: bool = False
     dropout_p: float = 0.0
     dropout_seed: int | None = None
+    dropout_batch_start: int = 0
     mask_mod: Any = None
     bias_mod: Any = None
     on_gpu: bool = False

@@ -67,7 +67,8 @@ Every feature gets its own code here first, independent of the fast paths: the p
 the conversion to NumPy (``_convert``), the index grids of step 4 b-d and the reading of
 ``scale`` (``_restrictions``), the calling of ``mask_mod`` and ``bias_mod`` (``_mods``), the
 forward pass (``_forward``), the public forward functions (``_attention``), the adjoints of
-broadcasting (``_adjoints``) and the gradients (``_vjp``).
+broadcasting (``_adjoints``), the gradients (``_vjp``) and the packed variable-length
+layout (``_varlen``: padded to a batch with lengths, computed, unpadded).
 The gradient of a ``scale`` given as an array is ``sum(dZ' * (Q Kᵀ))``, ``dZ'`` being the
 gradient with respect to the scaled scores of step 1.
 """
@@ -75,13 +76,23 @@ gradient with respect to the scaled scores of step 1.
 from ._adjoints import sum_to_shape, unrepeat_heads
 from ._attention import intermediates, scaled_dot_product_attention
 from ._convert import to_numpy
+from ._varlen import (
+    pad_packed,
+    scaled_dot_product_attention_varlen,
+    scaled_dot_product_attention_varlen_vjp,
+    unpad_packed,
+)
 from ._vjp import scaled_dot_product_attention_vjp
 
 __all__ = [
     "intermediates",
+    "pad_packed",
     "scaled_dot_product_attention",
+    "scaled_dot_product_attention_varlen",
+    "scaled_dot_product_attention_varlen_vjp",
     "scaled_dot_product_attention_vjp",
     "sum_to_shape",
     "to_numpy",
+    "unpad_packed",
     "unrepeat_heads",
 ]

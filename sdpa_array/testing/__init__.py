@@ -3,6 +3,8 @@
 * :func:`assert_close_to_oracle` and :func:`assert_vjp_close_to_oracle` check results and
   gradients of any library in one call: library, array type, shape, dtype and device, then
   the error bound derived in :mod:`sdpa_array.testing.bounds`;
+* :func:`assert_varlen_close_to_oracle` and :func:`assert_varlen_vjp_close_to_oracle` do
+  the same for the packed variable-length layout;
 * :mod:`sdpa_array.testing.backends` is the registry of array backends that the test suite,
   the benchmarks, the demo and the docs share.
 
@@ -32,6 +34,7 @@ from .bounds import (
     output_bound,
     score_error,
 )
+from .varlen import assert_varlen_close_to_oracle, assert_varlen_vjp_close_to_oracle
 from .vjp_bounds import vjp_oracle_and_bounds
 
 __all__ = [
@@ -42,6 +45,8 @@ __all__ = [
     "assert_array_like",
     "assert_close",
     "assert_close_to_oracle",
+    "assert_varlen_close_to_oracle",
+    "assert_varlen_vjp_close_to_oracle",
     "assert_vjp_close_to_oracle",
     "assert_within",
     "available_backends",

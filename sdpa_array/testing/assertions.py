@@ -33,6 +33,7 @@ __all__ = [
     "assert_vjp_close_to_oracle",
     "assert_within",
     "dtype_name",
+    "forward_oracle_and_bounds",
 ]
 
 
@@ -190,27 +191,55 @@ def assert_close_to_oracle(
     assert len(parts) == expected, f"{len(parts)} arrays returned, {expected} asked for"
     dtype = dtype_name(query)
     q64, k64, v64 = (_host(a) for a in (query, key, value))
-    bias64 = _host_or_none(bias)
     mask_np = None if mask is None else reference.to_numpy(mask)
+    oracle = forward_oracle_and_bounds(
+        dtype, q64, k64, v64, mask=mask_np, bias=_host_or_none(bias), fused=fused, **options
+    )
+    xp = array_namespace({"query": query})
+    compute = query.dtype if compute_dtype(dtype) == dtype else xp.float32
+    asked = {"weights": return_weights, "lse": return_lse, "max_scores": return_max_scores}
+    names = ["out", *(name for name, wanted in asked.items() if wanted)]
+    for name, got in zip(names, parts, strict=True):
+        ref, bound = oracle[name]
+        like_dtype = compute if name in ("lse", "max_scores") else query.dtype
+        assert_array_like(got, query, shape=ref.shape, dtype=like_dtype)
+        assert_close(got, ref, bound, name)
+
+
+def forward_oracle_and_bounds(
+    dtype: str,
+    q64: np.ndarray,
+    k64: np.ndarray,
+    v64: np.ndarray,
+    *,
+    mask: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+    fused: bool = False,
+    **options: Any,
+) -> dict[str, tuple[np.ndarray, float]]:
+    """The oracle's ``out``, ``weights``, ``lse`` and ``max_scores`` for float64 host
+    copies of a call's arrays, each with the bound its ``dtype`` result must stay within.
+
+    ``q64``, ``k64``, ``v64`` are ``(..., H, L, E)`` (heads first); ``fused`` as for
+    :func:`assert_close_to_oracle`, which documents the bounds.
+    """
     ref_out, ref_w, ref_lse, ref_max = reference.scaled_dot_product_attention(
         q64,
         k64,
         v64,
-        mask=mask_np,
-        bias=bias64,
+        mask=mask,
+        bias=bias,
         return_weights=True,
         return_lse=True,
         return_max_scores=True,
         **options,
     )
-    xp = array_namespace({"query": query})
-    compute = query.dtype if compute_dtype(dtype) == dtype else xp.float32
     given = options.get("scale")
     E = q64.shape[-1]
     scale = (1.0 / np.sqrt(E) if E else 1.0) if given is None else float(_host(given))
     S = k64.shape[-2]
     extent = mod_bias_extent(options.get("bias_mod"), ref_w.shape)
-    ds = score_error(dtype, q64, k64, scale, bias64, options.get("softcap"), extent)
+    ds = score_error(dtype, q64, k64, scale, bias, options.get("softcap"), extent)
     # A sink is one more term of each row's softmax (rounded once to the compute dtype);
     # dropout multiplies kept weights by 1 / (1 - p), so the output's magnitudes grow by it.
     sinks = options.get("sinks")
@@ -221,27 +250,20 @@ def assert_close_to_oracle(
     grow = 1.0 / (1.0 - options.get("dropout_p", 0.0))
     v_max = grow * float(np.max(np.abs(v64))) if v64.size else 0.0
     out_max = float(np.max(np.abs(ref_out))) if ref_out.size else 0.0
-    out = parts[0]
-    assert_array_like(out, query, shape=ref_out.shape, dtype=query.dtype)
-    bound = output_bound(
-        dtype, S=S, ds=ds, v_max=v_max, out_max=out_max, base2=fused, rounded_operands=fused
-    )
-    assert_close(out, ref_out, bound)
-    if return_weights:
-        assert_array_like(parts[1], query, shape=ref_w.shape, dtype=query.dtype)
-        bound = output_bound(dtype, S=S, ds=ds, v_max=grow, out_max=grow)
-        assert_close(parts[1], ref_w, bound, "weights")
-    if return_lse:
-        got_lse = parts[1 + return_weights]
-        finite = ref_lse[np.isfinite(ref_lse)]
-        lse_max = float(np.max(np.abs(finite))) if finite.size else 0.0
-        assert_array_like(got_lse, query, shape=ref_lse.shape, dtype=compute)
-        bound = lse_bound(dtype, S=S, ds=ds, lse_max=lse_max, base2=fused)
-        assert_close(got_lse, ref_lse, bound, "lse")
-    if return_max_scores:
-        assert_array_like(parts[-1], query, shape=ref_max.shape, dtype=compute)
-        bound = score_error(dtype, q64, k64, scale)
-        assert_close(parts[-1], ref_max, bound, "max_scores")
+    finite = ref_lse[np.isfinite(ref_lse)]
+    lse_max = float(np.max(np.abs(finite))) if finite.size else 0.0
+    return {
+        "out": (
+            ref_out,
+            output_bound(
+                dtype, S=S, ds=ds, v_max=v_max, out_max=out_max, base2=fused,
+                rounded_operands=fused,
+            ),
+        ),
+        "weights": (ref_w, output_bound(dtype, S=S, ds=ds, v_max=grow, out_max=grow)),
+        "lse": (ref_lse, lse_bound(dtype, S=S, ds=ds, lse_max=lse_max, base2=fused)),
+        "max_scores": (ref_max, score_error(dtype, q64, k64, scale)),
+    }  # fmt: skip
 
 
 def assert_vjp_close_to_oracle(

@@ -1,0 +1,176 @@
+"""The packed variable-length VJP: the gradients of
+:func:`~sdpa_array._api.varlen.forward.scaled_dot_product_attention_varlen`, sequence by
+sequence (:mod:`.sequences`), joined into the packed layout; the sinks' and an array
+``scale``'s gradients are summed over the sequences."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..._arrays.compat import array_namespace
+from ..._arrays.typing import Alignment, Array, BiasMod, MaskMod
+from ..._kernels.result import zero_gradients
+from ..._problem.options import Options
+from ..._problem.packed import Packed, check_packed
+from ..._problem.problem import Inputs
+from ..jax_eager import eager_jax, run_jitted
+from ..layout import swap_heads_and_length
+from ..run import run_vjp
+from ..vjp import check_cotangent
+from .sequences import Sequence, keywords_of, sequences, static_offsets
+
+__all__ = ["scaled_dot_product_attention_varlen_vjp"]
+
+
+def scaled_dot_product_attention_varlen_vjp(
+    query: Array,
+    key: Array,
+    value: Array,
+    grad_output: Array,
+    /,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any = None,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    is_causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    alignment: Alignment = "top_left",
+    scale: float | Array | None = None,
+    softcap: float | None = None,
+    enable_gqa: bool = False,
+    sinks: Array | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    mask_mod: MaskMod | None = None,
+    bias_mod: BiasMod | None = None,
+    implementation: str = "auto",
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> tuple[Array, ...]:
+    """Gradients of :func:`scaled_dot_product_attention_varlen` for an output cotangent.
+
+    Returns ``(dL/dQ, dL/dK, dL/dV[, dL/dSinks][, dL/dscale])`` for ``L = sum(out *
+    grad_output)``, on any Array-API library, as
+    :func:`scaled_dot_product_attention_vjp` does for the padded call.
+
+    Parameters
+    ----------
+    query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        As for :func:`scaled_dot_product_attention_varlen`.
+    grad_output : array, shape (total_q, Hq, Ev)
+        Cotangent of the output: the output's shape, library and dtype.
+    is_causal, window, alignment, scale, softcap, enable_gqa, sinks, dropout_p, dropout_seed
+        As for the forward (the same seed regenerates the same keep mask).
+    mask_mod, bias_mod
+        As for the forward; they have no gradient.
+    implementation, block_q, block_k
+        As for :func:`scaled_dot_product_attention_vjp`, for every sequence.
+
+    Returns
+    -------
+    grad_query, grad_key, grad_value : array
+        The shapes, dtypes, library and device of ``query``, ``key``, ``value``; keys of a
+        sequence no query reaches get zeros.
+    grad_sinks : array
+        Only if ``sinks`` is given: its shape and dtype, summed over the sequences.
+    grad_scale : array
+        Only if ``scale`` is an array: 0-d, its dtype, summed over the sequences.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for the forward; also a ``grad_output`` that is not an array of the inputs'
+        library with the output's dtype and shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa_array import scaled_dot_product_attention_varlen_vjp
+    >>> q = np.ones((3, 1, 2))
+    >>> v = np.arange(3.0).reshape(3, 1, 1)
+    >>> dq, dk, dv = scaled_dot_product_attention_varlen_vjp(q, q, v, np.ones((3, 1, 1)), [0, 1, 3])
+    >>> dv[:, 0, 0]  # the first sequence's one key takes its query's whole cotangent
+    array([1., 1., 1.])
+    """
+    packed = check_packed(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    options = Options(
+        is_causal=is_causal,
+        window=window,
+        alignment=alignment,
+        scale=scale,
+        softcap=softcap,
+        enable_gqa=enable_gqa,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        mask_mod=mask_mod,
+        bias_mod=bias_mod,
+    )
+    # the sinks' and the scale's gradients are sums over the sequences: each sequence
+    # computes its share in float32 at least, and the sum is rounded once (the caller's
+    # options are checked first, on the first sequence)
+    first = sequences(query, key, value, packed, options, limit=1)[0].problem
+    dtypes = [x.dtype for x in (sinks, scale if first.scale_is_array else None) if x is not None]
+    wide = {"sinks": _widened(sinks)}
+    if first.scale_is_array:
+        wide["scale"] = _widened(scale)
+    calls = sequences(query, key, value, packed, options.replace(**wide))
+    cotangents = _cotangents(query, grad_output, packed, calls)
+    blocks = (block_q, block_k)
+    if packed.count and eager_jax([query, key, value, grad_output]):  # compiled whole
+        keywords = {**keywords_of(options), "implementation": implementation}
+        keywords.update(block_q=block_q, block_k=block_k)
+        done, result = run_jitted(
+            scaled_dot_product_attention_varlen_vjp,
+            (query, key, value, grad_output),
+            static_offsets(keywords, packed),
+        )
+        if done:
+            return result  # type: ignore[no-any-return]
+    if not packed.count:
+        s = calls[0]
+        x = Inputs.of(s.query, s.key, s.value, s.options, s.problem)
+        empty = zero_gradients(s.problem, x)
+        return (*swap_heads_and_length(*empty[:3]), *empty[3:])
+    grads = [
+        run_vjp(s.query, s.key, s.value, g, s.options, implementation, blocks, s.problem)
+        for s, g in zip(calls, cotangents, strict=True)
+    ]
+    return _join(query, grads, dtypes)
+
+
+def _widened(x: Array | None) -> Array | None:
+    """``x`` in float32 at least (float64 stays float64)."""
+    if x is None:
+        return None
+    xp = array_namespace({"x": x})
+    return xp.astype(x, xp.float64 if x.dtype == xp.float64 else xp.float32)
+
+
+def _cotangents(
+    query: Array, grad_output: Array, packed: Packed, calls: list[Sequence]
+) -> list[Array]:
+    """``grad_output`` checked to be the packed output's cotangent ``(total_q, Hq, Ev)`` and
+    cut into the sequences' heads-first cotangents."""
+    p = calls[0].problem
+    check_cotangent(query, grad_output, (int(query.shape[0]), p.heads_q, p.Ev))
+    return [swap_heads_and_length(grad_output[packed.rows(n), ...])[0] for n in range(packed.count)]
+
+
+def _join(query: Array, grads: list[tuple[Array, ...]], dtypes: list[Any]) -> tuple[Array, ...]:
+    """The sequences' gradients in the packed layout: the query, key and value gradients
+    concatenated, the others (sinks, scale: computed in float32 at least) summed and cast
+    to ``dtypes``, theirs."""
+    xp = array_namespace({"query": query})
+    joined: list[Array] = []
+    for i in range(3):
+        parts = [swap_heads_and_length(g[i])[0] for g in grads]
+        joined.append(parts[0] if len(parts) == 1 else xp.concat(parts, axis=0))
+    for i, dtype in zip(range(3, len(grads[0])), dtypes, strict=True):
+        parts = [g[i] for g in grads]
+        stacked = xp.stack(parts)
+        # keepdims: NumPy's 0-d sums would be scalars, not arrays
+        total = xp.sum(stacked, axis=0, keepdims=True)
+        joined.append(xp.reshape(xp.astype(total, dtype), tuple(parts[0].shape)))
+    return tuple(joined)

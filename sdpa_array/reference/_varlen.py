@@ -1,0 +1,136 @@
+"""The packed variable-length layout in the oracle: padded to a batch, then unpadded.
+
+Sequence ``n`` of a packed call (queries ``cu_seqlens_q[n]:cu_seqlens_q[n + 1]``, keys
+``cu_seqlens_k[n]:cu_seqlens_k[n + 1]``) is written into batch element ``n`` of zero-padded
+``(N, Lmax, H, E)`` arrays, the oracle's own forward or VJP runs on them with
+``query_lengths``/``key_lengths`` set to the sequences' lengths (so the padding is excluded
+and ``"bottom_right"`` aligns each sequence by its own lengths), and the rows of each
+sequence are read back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._attention import scaled_dot_product_attention
+from ._convert import as_float64, to_numpy
+from ._vjp import scaled_dot_product_attention_vjp
+
+__all__ = [
+    "pad_packed",
+    "scaled_dot_product_attention_varlen",
+    "scaled_dot_product_attention_varlen_vjp",
+    "unpad_packed",
+]
+
+
+def _offsets(cu_seqlens: Any, total: int, name: str) -> np.ndarray:
+    offsets = np.asarray(to_numpy(cu_seqlens), dtype=np.int64).reshape(-1)
+    ok = offsets.size >= 1 and offsets[0] == 0 and offsets[-1] == total
+    if not ok or np.any(np.diff(offsets) < 0):
+        raise ValueError(
+            f"{name} must be non-decreasing offsets from 0 to {total}, got {offsets.tolist()}"
+        )
+    return offsets
+
+
+def pad_packed(x: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """``(total, ...)`` packed rows as ``(N, longest, ...)``, zero-padded."""
+    lengths = np.diff(offsets)
+    longest = int(lengths.max(initial=0))
+    padded = np.zeros((lengths.size, longest, *x.shape[1:]), dtype=x.dtype)
+    for n in range(lengths.size):
+        padded[n, : lengths[n]] = x[offsets[n] : offsets[n + 1]]
+    return padded
+
+
+def unpad_packed(x: np.ndarray, offsets: np.ndarray, axis: int = 1) -> np.ndarray:
+    """The rows of each batch element of ``x`` (``(N, ...)``, its sequence axis ``axis``)
+    that hold its sequence, concatenated along that axis (less the batch axis)."""
+    lengths = np.diff(offsets)
+    parts = [np.take(x[n], np.arange(lengths[n]), axis=axis - 1) for n in range(lengths.size)]
+    if not parts:
+        shape = list(x.shape[1:])
+        shape[axis - 1] = 0
+        return np.zeros(shape, dtype=x.dtype)
+    return np.concatenate(parts, axis=axis - 1)
+
+
+def _padded(
+    query: Any, key: Any, value: Any, cu_seqlens_q: Any, cu_seqlens_k: Any
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray], dict[str, Any]]:
+    q, k, v = (as_float64(a) for a in (query, key, value))
+    cq = _offsets(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    ck = cq if cu_seqlens_k is None else _offsets(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    lengths = {"query_lengths": np.diff(cq), "key_lengths": np.diff(ck)}
+    return cq, ck, [pad_packed(q, cq), pad_packed(k, ck), pad_packed(v, ck)], lengths
+
+
+def scaled_dot_product_attention_varlen(
+    query: Any,
+    key: Any,
+    value: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any = None,
+    /,
+    *,
+    return_lse: bool = False,
+    return_max_scores: bool = False,
+    **options: Any,
+) -> Any:
+    """Reference attention over sequences packed along the first axis.
+
+    Parameters
+    ----------
+    query, key, value : array_like
+        ``(total_q, Hq, E)``, ``(total_k, Hkv, E)``, ``(total_k, Hkv, Ev)``.
+    cu_seqlens_q, cu_seqlens_k : array_like
+        Offsets of the ``N`` sequences (``cu_seqlens_k`` defaults to ``cu_seqlens_q``).
+    return_lse, return_max_scores : bool, default False
+        Also return the log-sum-exp ``(Hq, total_q)`` and the maximum scores ``(N, Hq)``.
+    **options
+        The options of :func:`scaled_dot_product_attention` that apply (``is_causal``,
+        ``window``, ``alignment``, ``scale``, ``softcap``, ``enable_gqa``, ``sinks``,
+        dropout, ``mask_mod``, ``bias_mod``): per sequence, sequence ``n`` being batch
+        element ``n``.
+
+    Returns
+    -------
+    out : numpy.ndarray, shape (total_q, Hq, Ev)
+    lse : numpy.ndarray, shape (Hq, total_q)
+        Only if ``return_lse``.
+    max_scores : numpy.ndarray, shape (N, Hq)
+        Only if ``return_max_scores``.
+    """
+    cq, _ck, (q, k, v), lengths = _padded(query, key, value, cu_seqlens_q, cu_seqlens_k)
+    out, lse, best = scaled_dot_product_attention(
+        q, k, v, layout="BLHE", return_lse=True, return_max_scores=True, **lengths, **options
+    )
+    result = [unpad_packed(out, cq)]
+    if return_lse:
+        result.append(unpad_packed(lse, cq, axis=2))
+    if return_max_scores:
+        result.append(best)
+    return tuple(result) if len(result) > 1 else result[0]
+
+
+def scaled_dot_product_attention_varlen_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    grad_output: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any = None,
+    /,
+    **options: Any,
+) -> tuple[np.ndarray, ...]:
+    """Reference gradients of :func:`scaled_dot_product_attention_varlen`:
+    ``(grad_query, grad_key, grad_value[, grad_sinks][, grad_scale])``, the first three in
+    the packed layout, the others summed over the sequences."""
+    cq, ck, (q, k, v), lengths = _padded(query, key, value, cu_seqlens_q, cu_seqlens_k)
+    g = pad_packed(as_float64(grad_output), cq)
+    grads = scaled_dot_product_attention_vjp(q, k, v, g, layout="BLHE", **lengths, **options)
+    dq, dk, dv = unpad_packed(grads[0], cq), unpad_packed(grads[1], ck), unpad_packed(grads[2], ck)
+    return (dq, dk, dv, *grads[3:])
