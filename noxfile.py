@@ -1,10 +1,11 @@
 """nox sessions: one test session per backend, lint, docs and benchmarks.
 
 ``nox`` alone runs the CPU test sessions (without the tests marked ``slow``), the
-integrations' tests, the NumPy tests at the lowest declared dependency versions
-(``tests-min-deps``), ``lint``, ``docs`` and ``build``; ``nox -s tests-slow`` runs the
-``slow`` tests on every CPU backend; ``nox -s tests-cupy``, ``nox -s tests-cuda`` and
-``nox -s tests-jax-cuda`` need a CUDA device; ``nox -s bench`` runs the asv suite.
+integrations' tests, the NumPy and the torch tests at the lowest declared dependency
+versions (``tests-min-deps``, ``tests-min-deps-torch``), ``lint``, ``docs`` and ``build``;
+``nox -s tests-slow`` runs the ``slow`` tests on every CPU backend; ``nox -s tests-cupy``,
+``nox -s tests-cuda`` and ``nox -s tests-jax-cuda`` need a CUDA device; ``nox -s bench``
+runs the asv suite.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import nox
 
 nox.options.default_venv_backend = "virtualenv"
 nox.options.reuse_existing_virtualenvs = True
-# Only tests-min-deps names an interpreter (the oldest supported Python): if it is missing,
-# the session fails rather than being skipped.
+# Only the min-deps sessions name an interpreter (the oldest supported Python; 3.11 for the
+# torch one): if one is missing, the session fails rather than being skipped.
 nox.options.error_on_missing_interpreters = True
 
 #: torch is pinned to the CPU build this machine serves from a local file; an unpinned torch
@@ -170,6 +171,30 @@ def tests_min_deps(session: nox.Session) -> None:
         "not slow",
         "tests",
         env={"SDPA_BACKENDS": "numpy", "HYPOTHESIS_PROFILE": "ci"},
+    )
+
+
+@nox.session(name="tests-min-deps-torch", python="3.11")
+def tests_min_deps_torch(session: nox.Session) -> None:
+    """Run the torch tests (not slow) with torch at the lowest version the ``torch`` extra
+    declares and every other dependency, and the test extra, at its lowest version.
+
+    On Python 3.11, the version this machine's CPU build of torch is served for (on the
+    oldest Python, 3.10, torch comes only as the CUDA build, several GB)."""
+    import tomllib
+
+    project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    session.install(*_lowest(project["dependencies"] + extras["test"] + extras["torch"]))
+    session.install("--no-deps", "-e", ".")
+    session.run(
+        "pytest",
+        "-n",
+        "2",
+        "-m",
+        "not slow",
+        "tests",
+        env={"SDPA_BACKENDS": "torch", "HYPOTHESIS_PROFILE": "ci"},
     )
 
 
