@@ -9,7 +9,11 @@
 * ``dropout_p=0`` is no dropout, bit for bit; lse ignores dropout;
 * statistics: the keep rate within a binomial bound over 1e7 draws, and chi-square tests
   of independence between neighbours (row, column) and between seeds;
-* errors: ``dropout_p`` outside ``[0, 1)``, no seed, a non-int seed; native kernels refuse.
+* a seed given as a 0-d integer array (of every library, traced under ``jax.jit``, a torch
+  tensor under autograd) gives the bits of its value, in every dtype's range (negative and
+  64-bit values, JAX's 32-bit and unsigned seeds);
+* errors: ``dropout_p`` outside ``[0, 1)``, no seed, a non-int seed, a seed array that is not
+  0-d or not integer, or of another library; native kernels refuse.
 """
 
 from __future__ import annotations
@@ -69,6 +73,69 @@ def test_keep_mask_bits_are_the_same_on_every_backend(backend):
     got = dropout_keep_mask(SEED, shape, P, xp=xp, device=device)
     assert sdpa_array._arrays.compat.device(got) == device
     np.testing.assert_array_equal(reference.to_numpy(got), expected)
+
+
+#: Seeds and the integer dtypes that hold them: 64-bit values, negative ones, the edges of
+#: the 31-bit halves.
+SEEDS = [0, 5, 2**31 - 1, -3, -(2**31), 2**31 + 7, 2**62 + 11, -(2**40)]
+
+
+def test_a_seed_array_gives_the_bits_of_its_value(eager_backend):
+    """Every library but Dask (whose lazy arrays are refused as seeds, below)."""
+    backend = eager_backend
+    _, device = _namespace(backend)
+    for seed in SEEDS:
+        expected = dropout_keep_mask(seed, (2, 3, 9, 10), 0.5)
+        array = backend.asarray(np.asarray(seed, dtype=np.int64))
+        got = dropout_keep_mask(array, (2, 3, 9, 10), 0.5)
+        assert sdpa_array._arrays.compat.device(got) == device
+        np.testing.assert_array_equal(reference.to_numpy(got), expected, err_msg=str(seed))
+
+
+def test_32_bit_and_unsigned_seed_arrays(jax_backend, monkeypatch):
+    """The 32-bit path (JAX without x64): int32 seeds, negative ones too, and uint32 seeds
+    above ``2**31``."""
+    import jax.numpy as jnp
+
+    from sdpa_array._kernels import dropout
+
+    cases = [(-5, jnp.int32), (-(2**31), jnp.int32), (7, jnp.int32), (2**31 + 7, jnp.uint32)]
+    expected = [dropout_keep_mask(seed, (2, 9, 10), 0.5) for seed, _ in cases]
+    monkeypatch.setattr(dropout, "_wide", lambda xp: False)
+    for (seed, dtype), want in zip(cases, expected, strict=True):
+        got = dropout_keep_mask(jnp.asarray(seed, dtype=dtype), (2, 9, 10), 0.5)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(seed))
+
+
+@pytest.mark.parametrize("implementation", ["materialized", "blocked"])
+def test_attention_and_vjp_with_a_seed_array_equal_the_int_seed(eager_backend, implementation):
+    """The output, log-sum-exp and gradients with the seed as an array are the oracle's for
+    the int seed (a weight dropped in one and kept in the other would differ by order one)."""
+    backend = eager_backend
+    q, k, v, g = _case(backend, "float32")
+    run = {**DROPOUT, "implementation": implementation}
+    with_array = {**run, "dropout_seed": backend.asarray(np.asarray(SEED))}
+    got = sdpa_array.scaled_dot_product_attention(q, k, v, return_lse=True, **with_array)
+    assert_close_to_oracle(got, q, k, v, return_lse=True, **as_checked(q, k, v, run))
+    grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **with_array)
+    assert_vjp_close_to_oracle(grads, q, k, v, g, **as_checked(q, k, v, run, vjp=True))
+
+
+def test_a_traced_seed_under_jit_and_grad(jax_backend):
+    import jax
+
+    q, k, v, g = _case(jax_backend, "float32")
+
+    def loss(q, seed):
+        out = sdpa_array.scaled_dot_product_attention(
+            q, k, v, implementation="blocked", **{**DROPOUT, "dropout_seed": seed}
+        )
+        return (out * g).sum(), out
+
+    (_, out), dq = jax.jit(jax.value_and_grad(loss, has_aux=True))(q, jax.numpy.asarray(SEED))
+    assert_close_to_oracle(out, q, k, v, **DROPOUT)
+    others = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **DROPOUT)[1:]
+    assert_vjp_close_to_oracle((dq, *others), q, k, v, g, **DROPOUT)
 
 
 def test_32_bit_integers_give_the_same_bits(backend, monkeypatch):
@@ -285,6 +352,8 @@ def test_no_correlation_between_neighbours_or_seeds(p):
         ({"dropout_p": -0.1, "dropout_seed": 0}, ValueError, r"dropout_p must be in \[0, 1\)"),
         ({"dropout_p": 0.1}, ValueError, "needs dropout_seed"),
         ({"dropout_p": 0.1, "dropout_seed": 1.5}, TypeError, "dropout_seed must be an int"),
+        ({"dropout_p": 0.1, "dropout_seed": np.array([1, 2])}, TypeError, r"shape \(2,\)"),
+        ({"dropout_p": 0.1, "dropout_seed": np.array(1.0)}, TypeError, "dtype float64"),
         ({"dropout_p": "x", "dropout_seed": 1}, TypeError, "dropout_p must be a real number"),
     ],
 )
@@ -294,6 +363,18 @@ def test_bad_dropout_arguments(kwargs, error, match):
         sdpa_array.scaled_dot_product_attention(q, q, q, **kwargs)
     with pytest.raises(error, match=match):
         sdpa_array.scaled_dot_product_attention_vjp(q, q, q, q, **kwargs)
+
+
+def test_a_seed_array_of_another_library_is_refused(non_numpy_backend):
+    q = np.zeros((2, 3, 4))
+    seed = non_numpy_backend.asarray(np.asarray(3))
+    with pytest.raises(TypeError, match="must come from one array library"):
+        sdpa_array.scaled_dot_product_attention(q, q, q, dropout_p=0.1, dropout_seed=seed)
+    if non_numpy_backend.library == "dask":
+        with pytest.raises(TypeError, match="not a lazy Dask array"):
+            sdpa_array.scaled_dot_product_attention(
+                *(non_numpy_backend.asarray(q, "float64"),) * 3, dropout_p=0.1, dropout_seed=seed
+            )
 
 
 def test_native_refuses_dropout(native_backend):

@@ -2,7 +2,8 @@
 ``dot_product_attention`` on the same weights and inputs, and against the float64 oracle.
 
 NNX and linen multi-head attention (self and cross, causal and padding masks, grouped key
-and value heads), under ``jit``, ``grad`` and ``vmap``, in float64. Flax's own attention
+and value heads), under ``jit``, ``grad`` and ``vmap``, in float64; dropout with its seed
+drawn from Flax's ``dropout_rng`` under ``jit``. Flax's own attention
 is not float64-accurate: it differs from the float64 oracle by ``1.4e-7`` (max abs,
 outputs of order one: a few float32 ulps; standard normal inputs of shape (2, 6, 4, 8),
 Flax 0.12.8), while this library is within its derived float64 bound. Against Flax the
@@ -23,6 +24,7 @@ jax = pytest.importorskip("jax")
 nnx = pytest.importorskip("flax.nnx")
 linen = pytest.importorskip("flax.linen")
 
+import sdpa_array  # noqa: E402
 from sdpa_array.integrations.flax import attention_fn  # noqa: E402
 from sdpa_array.testing import assert_close_to_oracle  # noqa: E402
 
@@ -150,7 +152,36 @@ def test_linen_multi_head_attention():
     _close(jax.jit(build(attention_fn).apply)(params, x, mask=mask), expected, "output")
 
 
-def test_dropout_is_refused_clearly():
+def test_dropout_draws_its_seed_from_the_rng_under_jit():
+    """Dropout in training: the seed comes from Flax's ``dropout_rng`` (traced under
+    ``jit``), so the output is the library's call with that seed; another key gives
+    another mask, and gradients flow under ``jit``."""
+    rng = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 6, 4, 8))) for _ in range(3))
+    key = jax.random.key(3)
+
+    def train(q, k, v, key):
+        return attention_fn(q, k, v, dropout_rng=key, dropout_rate=0.4, deterministic=False)
+
+    got = jax.jit(train)(q, k, v, key)
+    seed = jax.random.randint(key, (), 0, 2**31 - 1)
+    want = sdpa_array.scaled_dot_product_attention(
+        q, k, v, layout="BLHE", dropout_p=0.4, dropout_seed=int(seed)
+    )
+    # the same mask: equal up to XLA's fused rounding under jit (a float64 ulp or two; a
+    # weight dropped in one and kept in the other would differ by order one)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-13)
+    other = jax.jit(train)(q, k, v, jax.random.key(4))
+    assert not np.allclose(np.asarray(other), np.asarray(got))
+    grads = jax.jit(jax.grad(lambda q: train(q, k, v, key).sum()))(q)
+    assert bool(jnp.all(jnp.isfinite(grads)))
+    assert_close_to_oracle(
+        jnp.swapaxes(got, 1, 2), *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)),
+        dropout_p=0.4, dropout_seed=int(seed),
+    )  # fmt: skip
+
+
+def test_nnx_layer_trains_with_dropout():
     x, _, _ = _inputs()
     layer = nnx.MultiHeadAttention(
         num_heads=4,
@@ -159,9 +190,12 @@ def test_dropout_is_refused_clearly():
         dropout_rate=0.1,
         deterministic=False,
         attention_fn=attention_fn,
-        rngs=nnx.Rngs(0),
+        rngs=nnx.Rngs(0, dropout=1),
     )
-    with pytest.raises(NotImplementedError, match=r"dropout_rate=0\.1 with deterministic=False"):
-        layer(x)
+    first, second = nnx.jit(lambda m, x: m(x))(layer, x), nnx.jit(lambda m, x: m(x))(layer, x)
+    assert first.shape == x.shape
+    assert not np.allclose(np.asarray(first), np.asarray(second))  # a new key each call
     layer.set_attributes(deterministic=True)
     assert layer(x).shape == x.shape
+    with pytest.raises(ValueError, match="needs a dropout_rng"):
+        attention_fn(*(jnp.swapaxes(a, 0, 0) for a in (x[..., None, :],) * 3), dropout_rate=0.5)

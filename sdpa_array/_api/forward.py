@@ -43,7 +43,7 @@ def scaled_dot_product_attention(
     segment_ids: tuple[Array, Array] | None = ...,
     sinks: Array | None = ...,
     dropout_p: float = ...,
-    dropout_seed: int | None = ...,
+    dropout_seed: int | Array | None = ...,
     mask_mod: MaskMod | None = ...,
     bias_mod: BiasMod | None = ...,
     return_weights: Literal[False] = ...,
@@ -76,7 +76,7 @@ def scaled_dot_product_attention(
     segment_ids: tuple[Array, Array] | None = ...,
     sinks: Array | None = ...,
     dropout_p: float = ...,
-    dropout_seed: int | None = ...,
+    dropout_seed: int | Array | None = ...,
     mask_mod: MaskMod | None = ...,
     bias_mod: BiasMod | None = ...,
     return_weights: Literal[True],
@@ -109,7 +109,7 @@ def scaled_dot_product_attention(
     segment_ids: tuple[Array, Array] | None = ...,
     sinks: Array | None = ...,
     dropout_p: float = ...,
-    dropout_seed: int | None = ...,
+    dropout_seed: int | Array | None = ...,
     mask_mod: MaskMod | None = ...,
     bias_mod: BiasMod | None = ...,
     return_weights: Literal[False] = ...,
@@ -142,7 +142,7 @@ def scaled_dot_product_attention(
     segment_ids: tuple[Array, Array] | None = ...,
     sinks: Array | None = ...,
     dropout_p: float = ...,
-    dropout_seed: int | None = ...,
+    dropout_seed: int | Array | None = ...,
     mask_mod: MaskMod | None = ...,
     bias_mod: BiasMod | None = ...,
     return_weights: Literal[True],
@@ -175,7 +175,7 @@ def scaled_dot_product_attention(
     segment_ids: tuple[Array, Array] | None = ...,
     sinks: Array | None = ...,
     dropout_p: float = ...,
-    dropout_seed: int | None = ...,
+    dropout_seed: int | Array | None = ...,
     mask_mod: MaskMod | None = ...,
     bias_mod: BiasMod | None = ...,
     return_weights: bool = ...,
@@ -208,7 +208,7 @@ def scaled_dot_product_attention(
     segment_ids: tuple[Array, Array] | None = ...,
     sinks: Array | None = ...,
     dropout_p: float = ...,
-    dropout_seed: int | None = ...,
+    dropout_seed: int | Array | None = ...,
     mask_mod: MaskMod | None = ...,
     bias_mod: BiasMod | None = ...,
     return_weights: bool = ...,
@@ -240,7 +240,7 @@ def scaled_dot_product_attention(
     segment_ids: tuple[Array, Array] | None = None,
     sinks: Array | None = None,
     dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
+    dropout_seed: int | Array | None = None,
     mask_mod: MaskMod | None = None,
     bias_mod: BiasMod | None = None,
     return_weights: bool = False,
@@ -318,9 +318,12 @@ def scaled_dot_product_attention(
     dropout_p : float, default 0.0
         Drop each weight with this probability (in ``[0, 1)``) and divide the kept ones by
         ``1 - dropout_p``; the log-sum-exp is unaffected.
-    dropout_seed : int, optional
+    dropout_seed : int or 0-d integer array, optional
         Required when ``dropout_p > 0``: the keep mask is :func:`dropout_keep_mask` of this
-        seed, the same bits on every library, device, dtype and implementation.
+        seed, the same bits on every library, device, dtype and implementation. An array
+        (of the inputs' library, or NumPy) gives the bits of its value: under ``jax.jit`` a
+        traced seed (e.g. drawn from a ``jax.random`` key), in torch a 0-d tensor on the
+        device, with no host read.
     mask_mod : callable or BlockMask, optional
         A mask function ``mask_mod(batch, head, q_idx, kv_idx) -> boolean array``
         (``True`` = may attend), combined with every other restriction; the arguments are

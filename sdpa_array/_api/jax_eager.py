@@ -11,10 +11,11 @@ bit-identical results (XLA's fused program may round differently from the operat
 one at a time). The call is validated eagerly first, so bad input still gets its error
 before any work.
 
-Not compiled (run as they are): calls with dropout (each new seed would compile a new
-program; the seed is a Python int), calls with a mask or bias function (run eagerly, its
-blocks are classified on their values and the empty ones skipped, which a trace cannot
-do), calls whose static options cannot be hashed, and every call when
+Not compiled (run as they are): calls with dropout and an int seed (each new seed would
+compile a new program; a seed given as an array is traced instead), calls with a mask or
+bias function (run eagerly, its blocks are classified on their values and the empty ones
+skipped, which a trace cannot do), calls whose static options cannot be hashed, and every
+call when
 ``SDPA_ARRAY_JAX_EAGER_JIT=0``.
 """
 
@@ -81,7 +82,8 @@ def run_jitted(
     ``function`` over the array arguments, or ``(False, None)`` where the call is not
     compiled (see the module docstring). Keywords holding arrays (a tuple of arrays, for
     ``segment_ids``) are traced; the others are static."""
-    if keywords.get("dropout_p") or keywords.get("mask_mod") or keywords.get("bias_mod"):
+    int_seed = keywords.get("dropout_p") and not _is_array(keywords.get("dropout_seed"))
+    if int_seed or keywords.get("mask_mod") or keywords.get("bias_mod"):
         return False, None
     dynamic: dict[str, Any] = {}
     static: list[tuple[str, Any]] = []

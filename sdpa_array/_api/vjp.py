@@ -77,7 +77,7 @@ def scaled_dot_product_attention_vjp(
     segment_ids: tuple[Array, Array] | None = None,
     sinks: Array | None = None,
     dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
+    dropout_seed: int | Array | None = None,
     mask_mod: MaskMod | None = None,
     bias_mod: BiasMod | None = None,
     implementation: VJPImplementationName = "auto",

@@ -43,6 +43,7 @@ import numpy as np
 
 from .._arrays import inplace
 from .._arrays.compat import array_namespace
+from .._arrays.compat import device as array_device
 from .._arrays.slicing import at_batch
 from .._arrays.typing import Array
 from .._problem.options import check_dropout
@@ -118,11 +119,37 @@ def _mix(xp: ModuleType, x: Array, wide: bool) -> Array:
     return x ^ (x >> 16)
 
 
+def seed_word_array(xp: ModuleType, seed: Array) -> Array:
+    """:func:`seed_word` of a 0-d integer array, with the library's integer operations (the
+    same bits as the int, for every value of its dtype).
+
+    ``seed mod 2**62`` is split into its 31-bit halves: the low half is the seed's low 31
+    bits (two's complement), the high half ``(seed mod 2**62) >> 31`` (for a 32-bit seed:
+    0, or ``2**31 - 1`` when it is negative).
+    """
+    wide = _wide(xp)
+    if wide:  # 64-bit values wrap modulo 2**64, a multiple of 2**62
+        seed = xp.astype(seed, xp.int64)
+        high, low = (seed % 2**62) >> 31, seed & MASK31
+    elif xp.isdtype(seed.dtype, "unsigned integer"):  # below 2**32: the high half is 0 or 1
+        high, low = (xp.astype(seed >> 31, xp.int32), xp.astype(seed & MASK31, xp.int32))
+    else:
+        seed = xp.astype(seed, xp.int32)
+        minus = xp.asarray(MASK31, dtype=xp.int32)
+        high, low = xp.where(seed < 0, minus, xp.zeros_like(seed)), seed & MASK31
+    return _mix(xp, _mix(xp, high, wide) ^ low, wide)
+
+
 def key_grid(
-    xp: ModuleType, seed: int, batch_shape: tuple[int, ...], device: Any, start: int = 0
+    xp: ModuleType,
+    seed: int | Array,
+    batch_shape: tuple[int, ...],
+    device: Any,
+    start: int = 0,
 ) -> Array:
     """The per-(batch element, head) keys, shape ``batch_shape`` (``(..., Hq)``), as ints.
 
+    ``seed`` is an int or a 0-d integer array of ``xp`` (the same keys for the same value).
     ``batch_shape`` may lack the heads axis (2-D inputs: ``()``), which then counts as one
     head; the batch index is flattened over ``batch_shape[:-1]`` in row-major order and
     starts at ``start`` (a slice of a larger batch: the packed layout's sequences).
@@ -132,7 +159,10 @@ def key_grid(
     heads = batch_shape[-1] if batch_shape else 1
     outer = batch_shape[:-1]
     n_outer = math.prod(outer)
-    s = xp.asarray(seed_word(seed), dtype=dtype, device=device)
+    if isinstance(seed, int):
+        s = xp.asarray(seed_word(seed), dtype=dtype, device=device)
+    else:
+        s = xp.astype(seed_word_array(xp, seed), dtype)
     b = xp.reshape(xp.arange(start, start + n_outer, dtype=dtype, device=device), (n_outer, 1))
     h = xp.reshape(xp.arange(heads, dtype=dtype, device=device), (1, heads))
     keys = _mix(xp, _mix(xp, s ^ b, wide) ^ h, wide)
@@ -306,7 +336,7 @@ def _shape(shape: Any) -> tuple[int, ...]:
 
 
 def dropout_keep_mask(
-    seed: int,
+    seed: int | Array,
     shape: tuple[int, ...],
     dropout_p: float,
     *,
@@ -324,8 +354,9 @@ def dropout_keep_mask(
 
     Parameters
     ----------
-    seed : int
-        The ``dropout_seed`` (any int; taken modulo ``2**62``).
+    seed : int or array
+        The ``dropout_seed``: any int (taken modulo ``2**62``), or a 0-d integer array
+        giving the bits of its value (its library and device are the result's by default).
     shape : tuple of int
         ``(..., L, S)``: the shape of the attention weights (a missing heads axis counts as
         one head).
@@ -353,7 +384,10 @@ def dropout_keep_mask(
         seed_value = 0
     shape = _shape(shape)
     if xp is None:
-        xp = array_namespace({"x": np.empty(0)})
+        like = np.empty(0) if isinstance(seed_value, int) else seed_value
+        xp = array_namespace({"x": like})
+        if device is None and not isinstance(seed_value, int):
+            device = array_device(seed_value)
     elif not isinstance(xp, ModuleType) or not callable(getattr(xp, "asarray", None)):
         raise TypeError(
             f"xp must be an Array-API namespace (a module such as array_api_compat.numpy), "

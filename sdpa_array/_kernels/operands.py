@@ -135,7 +135,7 @@ def prepare(p: Problem, x: Inputs) -> Operands:
     )
     dropout = None
     if p.dropout_p > 0:
-        keys = key_grid(xp, p.dropout_seed or 0, p.batch_shape, p.device, p.dropout_batch_start)
+        keys = key_grid(xp, p.keep_seed, p.batch_shape, p.device, p.dropout_batch_start)
         keys = keys[..., None, None]
         dropout = Dropout(p.dropout_p, layout(keys, term=True))
     q = xp.astype(x.query, p.compute_dtype, copy=False)

@@ -15,6 +15,9 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from .._arrays.compat import array_namespace, is_dask_array
 from .._arrays.typing import Alignment, Array, BiasMod, MaskMod
 
 __all__ = ["Options", "check_dropout"]
@@ -50,7 +53,7 @@ class Options:
     segment_ids: tuple[Array, Array] | None = None
     sinks: Array | None = None
     dropout_p: float = 0.0
-    dropout_seed: int | None = None
+    dropout_seed: int | Array | None = None
     mask_mod: MaskMod | None = None
     bias_mod: BiasMod | None = None
 
@@ -80,8 +83,13 @@ class Options:
 NAMES = frozenset(field.name for field in dataclasses.fields(Options))
 
 
-def check_dropout(dropout_p: Any, dropout_seed: Any) -> tuple[float, int | None]:
-    """Validated ``(dropout_p, dropout_seed)``; raise naming the argument otherwise."""
+def check_dropout(dropout_p: Any, dropout_seed: Any) -> tuple[float, int | Array | None]:
+    """Validated ``(dropout_p, dropout_seed)``; raise naming the argument otherwise.
+
+    The seed is a Python int (NumPy integers, 0-d or not, become one), or a 0-d integer
+    array of another library, kept as it is (traced under ``jax.jit``, on a device): its
+    library is checked against the inputs' in :func:`~sdpa_array._problem.problem.validate`.
+    """
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):  # NumPy's too
         raise TypeError(
             f"dropout_p must be a real number in [0, 1), got {type(dropout_p).__name__} "
@@ -94,13 +102,38 @@ def check_dropout(dropout_p: Any, dropout_seed: Any) -> tuple[float, int | None]
         return 0.0, None
     if dropout_seed is None:
         raise ValueError(
-            f"dropout_p={dropout_p!r} needs dropout_seed (a Python int): the keep mask is a "
-            "function of the seed, so that the backward pass can regenerate it"
+            f"dropout_p={dropout_p!r} needs dropout_seed (an int, or a 0-d integer array): "
+            "the keep mask is a function of the seed, so that the backward pass can "
+            "regenerate it"
         )
-    if isinstance(dropout_seed, bool):
+    if isinstance(dropout_seed, bool | np.bool_):
         raise TypeError("dropout_seed must be an int, got bool")
+    if isinstance(dropout_seed, np.ndarray | np.generic):
+        if dropout_seed.shape != () or dropout_seed.dtype.kind not in "iu":
+            raise TypeError(
+                "dropout_seed must be an int or a 0-d integer array, got a NumPy array of "
+                f"shape {dropout_seed.shape} and dtype {dropout_seed.dtype}"
+            )
+        return value, int(dropout_seed)
+    if hasattr(dropout_seed, "shape") and hasattr(dropout_seed, "dtype"):
+        return value, _seed_array(dropout_seed)
     try:
         seed = operator.index(dropout_seed)
     except TypeError:
-        raise TypeError(f"dropout_seed must be an int, got {type(dropout_seed).__name__}") from None
+        raise TypeError(
+            f"dropout_seed must be an int or a 0-d integer array, got {type(dropout_seed).__name__}"
+        ) from None
     return value, seed
+
+
+def _seed_array(seed: Any) -> Array:
+    """A seed given as an array of a library other than NumPy: 0-d, integer, not lazy."""
+    if is_dask_array(seed):
+        raise TypeError("dropout_seed must be an int or a 0-d integer array, not a lazy Dask array")
+    xp = array_namespace({"dropout_seed": seed})
+    if tuple(seed.shape) != () or not xp.isdtype(seed.dtype, "integral"):
+        raise TypeError(
+            "dropout_seed must be an int or a 0-d integer array, got an array of shape "
+            f"{tuple(seed.shape)} and dtype {seed.dtype}"
+        )
+    return seed

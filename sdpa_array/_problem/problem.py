@@ -68,8 +68,9 @@ class Problem:
         Whether ``sinks`` (one extra softmax logit per query head) were given.
     dropout_p : float
         Probability of dropping an attention weight (0: no dropout).
-    dropout_seed : int or None
-        Seed of the keep mask (given when ``dropout_p > 0``).
+    dropout_seed : int, array or None
+        Seed of the keep mask (given when ``dropout_p > 0``): an int, or a 0-d integer
+        array of the inputs' library (traced under ``jax.jit``).
     dropout_batch_start : int
         The flat batch index of the call's first batch element in the keep mask's hash (0;
         sequence ``n`` of a packed variable-length call runs with ``n``, so that it draws
@@ -103,11 +104,17 @@ class Problem:
     segments: Segments | None = None
     has_sinks: bool = False
     dropout_p: float = 0.0
-    dropout_seed: int | None = None
+    dropout_seed: int | Array | None = None
     dropout_batch_start: int = 0
     mask_mod: Any = None
     bias_mod: Any = None
     on_gpu: bool = False
+
+    @property
+    def keep_seed(self) -> int | Array:
+        """The seed of the dropout keep mask (an int or a 0-d integer array; 0 without
+        dropout)."""
+        return 0 if self.dropout_seed is None else self.dropout_seed
 
     def without_padding(self, rows: Array, *, keys: bool = False, features: bool = True) -> Array:
         """``rows`` (query-shaped, or key-shaped with ``keys``; without the feature axis
@@ -358,6 +365,11 @@ def _batch_shape(
     return batch, hq, hk, 1
 
 
+def _library_array(x: Any) -> bool:
+    """Whether ``x`` is an array of a library (not a NumPy integer, which counts as an int)."""
+    return hasattr(x, "shape") and not isinstance(x, np.ndarray | np.generic)
+
+
 def _namespace(query: Any, key: Any, value: Any, o: Options) -> ModuleType:
     """The arrays' library, once every array is there, of one library, at least 2-D and of
     dtypes that fit together."""
@@ -368,7 +380,8 @@ def _namespace(query: Any, key: Any, value: Any, o: Options) -> ModuleType:
                 "got None"
             )
     named = {"query": query, "key": key, "value": value, "mask": o.mask, "bias": o.bias}
-    xp = array_namespace({**named, "sinks": o.sinks})
+    seed = o.dropout_seed if _library_array(o.dropout_seed) else None
+    xp = array_namespace({**named, "sinks": o.sinks, "dropout_seed": seed})
     for name, arr in (("query", query), ("key", key), ("value", value)):
         if arr.ndim < 2:
             raise ValueError(

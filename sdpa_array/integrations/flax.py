@@ -16,6 +16,9 @@ Masks attend where true (Flax's mask helpers give 0/1 floats, read as booleans),
 this library; a query row whose keys are all masked gets a zero output here, where Flax's
 own function gives the uniform average of the values. Key/value heads fewer than the
 query heads (``num_kv_heads``) run as grouped-query attention without repeating them.
+Dropout (``dropout_rate > 0`` and not ``deterministic``) takes its seed from the
+``dropout_rng`` Flax passes (a traced array under ``jit``) and draws this library's keep
+mask, independently for each batch element and head.
 """
 
 from __future__ import annotations
@@ -60,11 +63,14 @@ def attention_fn(
         True (or non-zero, as Flax's ``make_attention_mask`` gives it) = attend,
         broadcastable to ``(batch..., Hq, L, S)``.
     broadcast_dropout : bool
-        Flax's dropout option (dropout is refused, see Raises).
+        Flax's option to share one dropout mask across the batch axes; not used: the keep
+        mask is :func:`sdpa_array.dropout_keep_mask`'s, drawn for each batch element and
+        head (dropout with the same rate either way, not Flax's bits).
     dropout_rng : jax.Array or None
-        Flax's dropout key (dropout is refused, see Raises).
+        Flax's dropout key: the seed of the keep mask is
+        ``jax.random.randint(dropout_rng, (), 0, 2**31 - 1)``, traced under ``jit``.
     dropout_rate : float
-        Dropout probability; only 0 (or ``deterministic=True``) is taken.
+        Dropout probability (applied unless ``deterministic``).
     deterministic : bool
         Whether dropout is off.
     dtype : dtype or None
@@ -89,16 +95,20 @@ def attention_fn(
 
     Raises
     ------
-    NotImplementedError
-        Dropout (``dropout_rate > 0`` without ``deterministic``): it needs a seed from the
-        traced ``dropout_rng``, which the library does not take yet.
+    ValueError
+        Dropout (``dropout_rate > 0`` without ``deterministic``) without a ``dropout_rng``.
     """
+    dropout: dict[str, Any] = {}
     if dropout_rate > 0.0 and not deterministic:
-        raise NotImplementedError(
-            f"dropout_rate={dropout_rate} with deterministic=False: dropout through "
-            "sdpa_array needs an integer seed, and a traced dropout_rng cannot give one yet; "
-            "use deterministic=True (evaluation) or Flax's own attention_fn for training"
-        )
+        if dropout_rng is None:
+            raise ValueError(
+                f"dropout_rate={dropout_rate} with deterministic=False needs a dropout_rng "
+                "(the keep mask's seed is drawn from it)"
+            )
+        import jax
+
+        seed = jax.random.randint(dropout_rng, (), 0, 2**31 - 1)
+        dropout = {"dropout_p": float(dropout_rate), "dropout_seed": seed}
     if promote_dtype is not None:
         query, key, value = promote_dtype((query, key, value), dtype=dtype)
     elif dtype is not None:
@@ -114,4 +124,5 @@ def attention_fn(
         is_causal=bool(is_causal),
         enable_gqa=int(query.shape[-2]) != int(key.shape[-2]),
         layout="BLHE",
+        **dropout,
     )

@@ -112,7 +112,8 @@ def validate_and_prepare(
         "sinks": sinks_np,
         "sinks_shape": None if given_sinks is None else given_sinks.shape,
         "dropout_p": float(dropout_p),
-        "dropout_seed": dropout_seed,
+        # a seed given as a 0-d array of any library counts by its value
+        "dropout_seed": None if dropout_seed is None else int(to_numpy(dropout_seed)),
         **mods,
     }
 

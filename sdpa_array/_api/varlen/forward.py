@@ -46,7 +46,7 @@ def scaled_dot_product_attention_varlen(
     enable_gqa: bool = False,
     sinks: Array | None = None,
     dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
+    dropout_seed: int | Array | None = None,
     mask_mod: MaskMod | None = None,
     bias_mod: BiasMod | None = None,
     return_lse: bool = False,

@@ -41,7 +41,7 @@ def scaled_dot_product_attention_varlen_vjp(
     enable_gqa: bool = False,
     sinks: Array | None = None,
     dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
+    dropout_seed: int | Array | None = None,
     mask_mod: MaskMod | None = None,
     bias_mod: BiasMod | None = None,
     implementation: str = "auto",
@@ -111,7 +111,8 @@ def scaled_dot_product_attention_varlen_vjp(
     # computes its share in float32 at least, and the sum is rounded once (the caller's
     # options are checked first, on the first sequence)
     first = sequences(query, key, value, packed, options, limit=1)[0].problem
-    dtypes = [x.dtype for x in (sinks, scale if first.scale_is_array else None) if x is not None]
+    summed: list[Any] = [sinks, scale if first.scale_is_array else None]
+    dtypes = [x.dtype for x in summed if x is not None]
     wide = {"sinks": _widened(sinks)}
     if first.scale_is_array:
         wide["scale"] = _widened(scale)

@@ -264,7 +264,7 @@ def forward_operands(p: Problem, x: Inputs) -> ForwardOperands:
         q_seg = strided(xp, p.segments.query, (*shape.outer, p.L), lead)
         k_seg = strided(xp, p.segments.key, (*shape.outer, p.S), lead)
     if p.dropout_p > 0:
-        keys = key_grid(xp, p.dropout_seed or 0, p.batch_shape, p.device, p.dropout_batch_start)
+        keys = key_grid(xp, p.keep_seed, p.batch_shape, p.device, p.dropout_batch_start)
         drop_keys = _int32_rows(xp, keys, p.batch_shape, shape.Z * shape.H)
     has_left, has_upper, left, upper = _band(p)
     shifted = p.band.restricts and p.alignment == "bottom_right"
