@@ -6,7 +6,8 @@ batch, compared with each sequence run alone and unpadded (padding must change n
 for the real tokens); Gemma 2 (softcap, sliding window) in float64 and gpt-oss (sinks,
 float32: its experts' grouped products take no float64) on unpadded batches. Logits of
 the real tokens, every parameter's gradient, the attention weights and greedy generation
-(dynamic and static caches) are compared.
+(dynamic and static caches) are compared; so are a packed row's (FlashAttention's
+``cu_seq_lens`` offsets) against each of its sequences alone.
 
 The bound: transformers' eager attention computes its softmax in float32 whatever the
 model's dtype, so its weights carry a relative error of a few float32 ulps (``u32 = 2**-24``);
@@ -191,6 +192,45 @@ def test_unpadded_causal_calls_pass_no_mask(monkeypatch):
     with torch.no_grad():
         ours(torch.tensor([[5, 17, 3, 44]]))
     assert seen == [(None, True)] * 2
+
+
+#: Three sequences packed into one row (FlashAttention's offsets), as transformers'
+#: ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives them.
+PACKED = [[5, 17, 3, 44, 9], [61, 2, 30, 1, 2, 3, 12, 7], [88, 21, 4]]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_packed_sequences_equal_each_sequence_alone(family, monkeypatch):
+    """A packed row with ``cu_seq_lens_q``/``cu_seq_lens_k`` (and positions restarting at
+    each sequence): the logits and gradients equal eager's on each sequence alone, and
+    every layer runs the packed layout's function, not a dense mask."""
+    from sdpa_array.integrations import transformers as adapter
+
+    calls = []
+    original = adapter.scaled_dot_product_attention_varlen
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("window"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "scaled_dot_product_attention_varlen", spy)
+    dtype, _ = SETUPS[family]
+    ours, theirs = _pair(MODELS[family], dtype)
+    ids = torch.tensor([[token for sequence in PACKED for token in sequence]])
+    positions = torch.cat([torch.arange(len(p)) for p in PACKED])[None]
+    cu = torch.tensor([0, 5, 13, 16], dtype=torch.int32)
+    packed = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 8, "max_length_k": 8}
+    logits = ours(ids, position_ids=positions, **packed).logits[0]
+    (logits**2).sum().backward()
+    parts = [theirs(torch.tensor([p])).logits[0] for p in PACKED]
+    expected = torch.cat(parts)
+    (expected**2).sum().backward()
+    _close(logits.detach(), expected.detach(), "logits")
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        if b.grad is not None:
+            _close(a.grad, b.grad, f"gradient of {name}")
+    windows = {"llama": [None, None], "gemma2": [(3, 0), None]}[family]
+    assert calls == windows  # Gemma 2 alternates sliding-window and global layers
 
 
 def test_register_refuses_transformers_own_names():

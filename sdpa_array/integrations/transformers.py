@@ -24,6 +24,15 @@ make a fully masked row uniform instead of empty); fewer key/value heads than qu
 as ``enable_gqa``; ``scaling``, ``softcap`` (Gemma 2) and ``s_aux`` sinks (gpt-oss); a
 T5-style ``position_bias`` as a bias; dropout (training only) with a seed drawn from
 torch's generator; ``output_attentions`` as the weights.
+
+Packed sequences (a batch of one row holding several sequences, as transformers'
+``DataCollatorWithFlattening`` gives them with ``return_flash_attn_kwargs=True``): where the
+call carries FlashAttention's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` offsets, the row is
+computed by :func:`sdpa_array.scaled_dot_product_attention_varlen`, each sequence alone
+(causal and the layer's ``sliding_window`` per sequence), and transformers' mask, which
+says the same for the whole row as an (L, S) array, is not used. Calls with a position
+bias, asking for the weights, or with a window on a layer that is not causal take the
+mask as above.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .. import scaled_dot_product_attention
+from .. import scaled_dot_product_attention, scaled_dot_product_attention_varlen
 
 __all__ = ["DEFAULT_NAME", "attention_forward", "register"]
 
@@ -133,7 +142,10 @@ def attention_forward(
         Additive bias broadcastable to ``(B, Hq, L, S)`` (T5).
     **kwargs
         ``softcap`` (float), ``s_aux`` (sinks, shape ``(Hq,)``), ``output_attentions``
-        (bool); others are ignored, as transformers' own functions ignore them.
+        (bool), ``sliding_window`` (int: the query and the ``sliding_window - 1`` keys
+        before it, used with packed sequences), ``cu_seq_lens_q`` / ``cu_seq_lens_k``
+        (packed sequences' offsets, with a batch of one); others are ignored, as
+        transformers' own functions ignore them.
 
     Returns
     -------
@@ -143,8 +155,8 @@ def attention_forward(
         The attention weights ``(B, Hq, L, S)`` when ``output_attentions`` is true.
     """
     L = int(query.shape[2])
-    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
-    causal = bool(causal and attention_mask is None and L > 1)
+    causal_layer = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+    causal = bool(causal_layer and attention_mask is None and L > 1)
     mask, bias = _mask_and_bias(attention_mask, position_bias, query.dtype)
     options: dict[str, Any] = {
         "mask": mask,
@@ -160,6 +172,10 @@ def attention_forward(
     if dropout and getattr(module, "training", False):
         options["dropout_p"] = float(dropout)
         options["dropout_seed"] = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
+    packed = _packed(query, key, kwargs)
+    plain = bias is None and not kwargs.get("output_attentions", False)
+    if packed is not None and plain and (kwargs.get("sliding_window") is None or causal_layer):
+        return _varlen_forward(query, key, value, packed, options, bool(causal_layer), kwargs)
     weights = None
     if kwargs.get("output_attentions", False):
         out, weights = scaled_dot_product_attention(
@@ -168,3 +184,36 @@ def attention_forward(
     else:
         out = scaled_dot_product_attention(query, key, value, **options)
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _packed(
+    query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The offsets of packed sequences, where the call carries them for its one row."""
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if cu_q is None or int(query.shape[0]) != 1:
+        return None
+    cu_k = kwargs.get("cu_seq_lens_k")
+    return cu_q, cu_q if cu_k is None else cu_k
+
+
+def _varlen_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    offsets: tuple[torch.Tensor, torch.Tensor],
+    options: dict[str, Any],
+    causal: bool,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """The packed row's sequences, each attending within itself (causal where the layer
+    is): ``(1, L, Hq, E)``."""
+    packed = {n: v for n, v in options.items() if n not in ("mask", "bias", "is_causal")}
+    window = kwargs.get("sliding_window")
+    if window is not None:  # transformers' window counts the query itself
+        packed["window"] = (int(window) - 1, 0)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (total, heads, E)
+    out = scaled_dot_product_attention_varlen(
+        q, k, v, offsets[0], offsets[1], is_causal=bool(causal), **packed
+    )
+    return out[None].contiguous(), None
