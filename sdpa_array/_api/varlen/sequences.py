@@ -50,18 +50,22 @@ class ShiftedMod(NamedMod):
         return self.mod(batch + self.start, head, q_idx, kv_idx)
 
     def __getattr__(self, name: str) -> Any:
+        # ``in_dtype`` (the ready-made bias functions' form in a compute dtype) where the
+        # wrapped function has one, shifted the same way
         if name == "in_dtype" and hasattr(self.mod, "in_dtype"):
             return lambda dtype: ShiftedMod(self.mod.in_dtype(dtype), self.start)
         raise AttributeError(name)
 
 
 def shifted(mod: Any, start: int) -> Any:
+    """``mod`` for sequence ``start`` (itself for the first sequence, or without a mod)."""
     if mod is None or start == 0:
         return mod
     return ShiftedMod(mod, start)
 
 
 def check_mods(mask_mod: Any) -> None:
+    """Refuse a ``BlockMask``: it is made for one ``(L, S)``."""
     if isinstance(mask_mod, BlockMask):
         raise TypeError(
             "mask_mod must be a mask function for the packed layout, not a BlockMask: a "
