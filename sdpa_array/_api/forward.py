@@ -318,12 +318,12 @@ def scaled_dot_product_attention(
     dropout_p : float, default 0.0
         Drop each weight with this probability (in ``[0, 1)``) and divide the kept ones by
         ``1 - dropout_p``; the log-sum-exp is unaffected.
-    dropout_seed : int or 0-d integer array, optional
+    dropout_seed : int or array, optional
         Required when ``dropout_p > 0``: the keep mask is :func:`dropout_keep_mask` of this
-        seed, the same bits on every library, device, dtype and implementation. An array
-        (of the inputs' library, or NumPy) gives the bits of its value: under ``jax.jit`` a
-        traced seed (e.g. drawn from a ``jax.random`` key), in torch a 0-d tensor on the
-        device, with no host read.
+        seed, the same bits on every library, device, dtype and implementation. A 0-d
+        integer array (of the inputs' library, or NumPy) gives the bits of its value: under
+        ``jax.jit`` a traced seed (e.g. drawn from a ``jax.random`` key), in torch a 0-d
+        tensor on the device, with no host read.
     mask_mod : callable or BlockMask, optional
         A mask function ``mask_mod(batch, head, q_idx, kv_idx) -> boolean array``
         (``True`` = may attend), combined with every other restriction; the arguments are

@@ -92,8 +92,8 @@ def scaled_dot_product_attention(
     dropout_p : float, default 0.0
         Probability of dropping each weight; kept weights are divided by ``1 - dropout_p``.
         The mask is :func:`sdpa_array.dropout_keep_mask` of ``dropout_seed``.
-    dropout_seed : int or 0-d integer array, optional
-        Required when ``dropout_p > 0``.
+    dropout_seed : int or array, optional
+        Required when ``dropout_p > 0``; a 0-d integer array counts by its value.
     mask_mod : callable, optional
         ``mask_mod(batch, head, q_idx, kv_idx)`` returns booleans, ``True`` where a query may
         attend a key, combined (logical and) with every other restriction. Called once with

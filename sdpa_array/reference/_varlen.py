@@ -37,7 +37,20 @@ def _offsets(cu_seqlens: Any, total: int, name: str) -> np.ndarray:
 
 
 def pad_packed(x: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """``(total, ...)`` packed rows as ``(N, longest, ...)``, zero-padded."""
+    """Packed rows written into a zero-padded batch.
+
+    Parameters
+    ----------
+    x : numpy.ndarray, shape (total, ...)
+        The rows of ``N`` sequences, one after another.
+    offsets : numpy.ndarray, shape (N + 1,)
+        Where each sequence starts, then the total.
+
+    Returns
+    -------
+    numpy.ndarray, shape (N, longest, ...)
+        Sequence ``n`` in the first rows of batch element ``n``, zeros after them.
+    """
     lengths = np.diff(offsets)
     longest = int(lengths.max(initial=0))
     padded = np.zeros((lengths.size, longest, *x.shape[1:]), dtype=x.dtype)
@@ -47,8 +60,23 @@ def pad_packed(x: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 
 
 def unpad_packed(x: np.ndarray, offsets: np.ndarray, axis: int = 1) -> np.ndarray:
-    """The rows of each batch element of ``x`` (``(N, ...)``, its sequence axis ``axis``)
-    that hold its sequence, concatenated along that axis (less the batch axis)."""
+    """The inverse of :func:`pad_packed`: each batch element's sequence, concatenated.
+
+    Parameters
+    ----------
+    x : numpy.ndarray, shape (N, ...)
+        A padded batch.
+    offsets : numpy.ndarray, shape (N + 1,)
+        The sequences' offsets (their lengths are the differences).
+    axis : int, default 1
+        The axis of ``x`` along which the sequences run (the log-sum-exp's is 2).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``x`` without its batch axis, the first ``length`` entries of each batch element
+        along ``axis`` concatenated along that axis.
+    """
     lengths = np.diff(offsets)
     parts = [np.take(x[n], np.arange(lengths[n]), axis=axis - 1) for n in range(lengths.size)]
     if not parts:
@@ -99,6 +127,7 @@ def scaled_dot_product_attention_varlen(
     Returns
     -------
     out : numpy.ndarray, shape (total_q, Hq, Ev)
+        The output, float64.
     lse : numpy.ndarray, shape (Hq, total_q)
         Only if ``return_lse``.
     max_scores : numpy.ndarray, shape (N, Hq)
@@ -126,9 +155,25 @@ def scaled_dot_product_attention_varlen_vjp(
     /,
     **options: Any,
 ) -> tuple[np.ndarray, ...]:
-    """Reference gradients of :func:`scaled_dot_product_attention_varlen`:
-    ``(grad_query, grad_key, grad_value[, grad_sinks][, grad_scale])``, the first three in
-    the packed layout, the others summed over the sequences."""
+    """Reference gradients of :func:`scaled_dot_product_attention_varlen`.
+
+    Parameters
+    ----------
+    query, key, value : array_like
+        As in :func:`scaled_dot_product_attention_varlen`.
+    grad_output : array_like, shape (total_q, Hq, Ev)
+        Cotangent of the output.
+    cu_seqlens_q, cu_seqlens_k : array_like
+        As in :func:`scaled_dot_product_attention_varlen`.
+    **options
+        As in :func:`scaled_dot_product_attention_varlen` (``return_*`` aside).
+
+    Returns
+    -------
+    tuple of numpy.ndarray
+        ``(grad_query, grad_key, grad_value[, grad_sinks][, grad_scale])``, float64: the
+        first three in the packed layout, the others summed over the sequences.
+    """
     cq, ck, (q, k, v), lengths = _padded(query, key, value, cu_seqlens_q, cu_seqlens_k)
     g = pad_packed(as_float64(grad_output), cq)
     grads = scaled_dot_product_attention_vjp(q, k, v, g, layout="BLHE", **lengths, **options)

@@ -64,7 +64,7 @@ def scaled_dot_product_attention_vjp(
     dropout_p : float, default 0.0
         As in :func:`scaled_dot_product_attention`: the gradients are those of the forward
         call with the same arguments, dropout mask included.
-    dropout_seed : int or 0-d integer array, optional
+    dropout_seed : int or array, optional
         As in :func:`scaled_dot_product_attention`; required when ``dropout_p > 0``.
     mask_mod, bias_mod : callable, optional
         As in :func:`scaled_dot_product_attention`. They hold no trainable parameters and

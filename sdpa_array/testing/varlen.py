@@ -117,9 +117,28 @@ def assert_varlen_vjp_close_to_oracle(
     fused: bool = False,
     **options: Any,
 ) -> None:
-    """Check gradients of the packed call (``(dq, dk, dv[, dsinks][, dscale])``) against
-    the oracle, entry by entry within the bounds of
-    :func:`~sdpa_array.testing.vjp_bounds.vjp_oracle_and_bounds` for the padded call."""
+    """Check gradients of the packed call against the oracle.
+
+    Each gradient must have its input's library, array type, shape, dtype and device, and
+    every entry must lie within the bound of
+    :func:`~sdpa_array.testing.vjp_bounds.vjp_oracle_and_bounds` for the same sequences
+    padded to a batch with lengths.
+
+    Parameters
+    ----------
+    grads : tuple of arrays
+        ``(dq, dk, dv[, dsinks][, dscale])``, as
+        :func:`sdpa_array.scaled_dot_product_attention_varlen_vjp` (or autodiff) returned
+        them.
+    query, key, value, grad_output : array
+        The call's arrays and the output's cotangent ``(total_q, Hq, Ev)``.
+    cu_seqlens_q, cu_seqlens_k
+        The call's offsets.
+    fused : bool, default False
+        Whether the backward ran a fused kernel in the inputs' dtype.
+    **options
+        The call's other keyword arguments.
+    """
     cq, ck = _offsets(cu_seqlens_q, cu_seqlens_k)
     q64, k64, v64, g64 = _padded_heads_first((query, key, value, grad_output), (cq, ck, ck, cq))
     sinks = options.get("sinks")

@@ -56,10 +56,12 @@ def scaled_dot_product_attention_varlen_vjp(
 
     Parameters
     ----------
-    query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    query, key, value
         As for :func:`scaled_dot_product_attention_varlen`.
     grad_output : array, shape (total_q, Hq, Ev)
         Cotangent of the output: the output's shape, library and dtype.
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        As for :func:`scaled_dot_product_attention_varlen`.
     is_causal, window, alignment, scale, softcap, enable_gqa, sinks, dropout_p, dropout_seed
         As for the forward (the same seed regenerates the same keep mask).
     mask_mod, bias_mod
