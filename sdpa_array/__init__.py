@@ -15,6 +15,8 @@ once for reuse.
 and :mod:`sdpa_array.testing` checks any result against it.
 """
 
+import sys
+import types
 from importlib.metadata import PackageNotFoundError, version
 
 from . import mods
@@ -47,6 +49,7 @@ __all__ = [
     "merge_attention_states",
     "mods",
     "multi_head_attention",
+    "nn",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_varlen",
     "scaled_dot_product_attention_varlen_vjp",
@@ -58,14 +61,38 @@ CannotDelegateError.__module__ = __name__  # shown as sdpa_array.CannotDelegateE
 CannotUseTritonError.__module__ = __name__
 
 
-def __getattr__(name: str) -> object:
-    """``MultiheadAttention``, the drop-in for ``torch.nn.MultiheadAttention``, imported on
-    first use: torch is optional, and importing sdpa_array imports none of it."""
+def _torch_layer(name: str, where: str) -> object:
+    """The torch layer ``name`` (imported on first use: torch is optional, and importing
+    sdpa_array imports none of it), or an ``AttributeError`` naming the module ``where``."""
     if name == "MultiheadAttention":
         from ._api.torch_module import MultiheadAttention
 
         return MultiheadAttention
-    raise AttributeError(f"module 'sdpa_array' has no attribute {name!r}")
+    raise AttributeError(f"module {where!r} has no attribute {name!r}")
+
+
+def __getattr__(name: str) -> object:
+    """``MultiheadAttention``, the drop-in for ``torch.nn.MultiheadAttention``."""
+    return _torch_layer(name, __name__)
+
+
+def _nn_module() -> types.ModuleType:
+    """``sdpa_array.nn``, torch's layer names computed by this library
+    (``sdpa_array.nn.MultiheadAttention``): a module object, not a file, whose names import
+    torch on first use."""
+    module = types.ModuleType(
+        f"{__name__}.nn",
+        "torch layers computed by sdpa_array: ``MultiheadAttention``, the drop-in for "
+        "``torch.nn.MultiheadAttention`` (imported with torch on first use).",
+    )
+    module.__getattr__ = lambda name: _torch_layer(name, module.__name__)  # type: ignore[method-assign]
+    module.__dict__["__all__"] = ["MultiheadAttention"]
+    return module
+
+
+nn = _nn_module()
+# registered, so that ``import sdpa_array.nn`` and ``from sdpa_array.nn import ...`` work
+sys.modules[nn.__name__] = nn
 
 
 try:

@@ -148,3 +148,22 @@ def test_module_dropout_in_training_only_and_bad_calls():
         mod(x, x, x, attn_mask=torch.zeros(4, 4, dtype=torch.int64))
     with pytest.raises(ValueError, match="divisible by num_heads"):
         sdpa_array.MultiheadAttention(8, 3)
+
+
+def test_the_nn_module_names_the_same_class_and_imports_torch_on_first_use():
+    """``sdpa_array.nn.MultiheadAttention`` (as ``torch.nn.MultiheadAttention`` is named) is
+    the same class; importing ``sdpa_array`` and ``sdpa_array.nn`` imports no torch."""
+    import subprocess
+    import sys
+
+    from sdpa_array.nn import MultiheadAttention
+
+    assert MultiheadAttention is sdpa_array.MultiheadAttention
+    assert sdpa_array.nn.MultiheadAttention is MultiheadAttention
+    with pytest.raises(AttributeError, match=r"module 'sdpa_array\.nn' has no attribute 'Linear'"):
+        sdpa_array.nn.Linear  # noqa: B018
+    code = (
+        "import sys, sdpa_array, sdpa_array.nn; import sdpa_array.nn as n; "
+        "assert n is sdpa_array.nn; assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
