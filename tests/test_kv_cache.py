@@ -232,10 +232,20 @@ def run(
     **options: Any,
 ) -> tuple[Any, ...]:
     """Call the function on ``backend`` and check everything: the result against the
-    oracle, the caches' contents, and whether they were written in place."""
-    xq, xk, xv = (backend.asarray(a, dtype) for a in (case.query, case.key_cache, case.value_cache))
-    new = [None if a is None else backend.asarray(a, dtype) for a in (case.new_key, case.new_value)]
-    k_before, v_before = host(xk), host(xv)
+    oracle, the caches' contents, and whether they were written in place. With
+    ``layout="BLHE"`` the arrays are given with their length and heads axes swapped (as
+    contiguous arrays) and the results are checked swapped back."""
+    blhe = options.get("layout") == "BLHE"
+
+    def given(a: np.ndarray) -> Any:
+        return backend.asarray(np.ascontiguousarray(np.swapaxes(a, 1, 2)) if blhe else a, dtype)
+
+    def heads_first(x: Any) -> np.ndarray:
+        return np.swapaxes(host(x), 1, 2) if blhe else host(x)
+
+    xq, xk, xv = (given(a) for a in (case.query, case.key_cache, case.value_cache))
+    new = [None if a is None else given(a) for a in (case.new_key, case.new_value)]
+    k_before, v_before = heads_first(xk), heads_first(xv)
     lengths: Any = case.lengths
     table: Any = case.table
     if lengths_as == "array":  # integer arrays of the inputs' library
@@ -260,34 +270,35 @@ def run(
     out, k_ret, v_ret = result[0], result[-2], result[-1]
     lse = result[1] if return_lse else None
     n_query = case.query.shape[2]
-    assert_array_like(out, xq, shape=(len(case.lengths), HQ, n_query, EV), dtype=xq.dtype)
+    shape = (len(case.lengths), n_query, HQ, EV) if blhe else (len(case.lengths), HQ, n_query, EV)
+    assert_array_like(out, xq, shape=shape, dtype=xq.dtype)
     if lse is not None:
         lse_dtype = getattr(array_namespace({"query": xq}), compute_dtype(dtype))
         assert_array_like(lse, xq, shape=(len(case.lengths), HQ, n_query), dtype=lse_dtype)
-    nk = None if new[0] is None else host(new[0])
-    nv = None if new[1] is None else host(new[1])
+    nk = None if new[0] is None else heads_first(new[0])
+    nv = None if new[1] is None else heads_first(new[1])
     k_after, v_after = written(replace(case, new_key=nk, new_value=nv), k_before, v_before)
     for name, got, expected, mine in (
         ("key_cache", k_ret, k_after, xk),
         ("value_cache", v_ret, v_after, xv),
     ):
         assert_array_like(got, mine, shape=tuple(mine.shape), dtype=mine.dtype)
-        np.testing.assert_array_equal(host(got), expected, err_msg=f"returned {name}")
+        np.testing.assert_array_equal(heads_first(got), expected, err_msg=f"returned {name}")
         if case.new_key is None:
             assert got is mine, f"{name}: without new tokens the caller's array is returned"
         elif backend.library in IN_PLACE and backend.id != "numpy:readonly":
             assert got is mine, f"{name}: {backend.id} writes in place"
         else:
             assert got is not mine, f"{name}: {backend.id} returns a new array"
-            np.testing.assert_array_equal(host(mine), k_before if name == "key_cache" else v_before)
-    q64 = host(xq)
+            before = k_before if name == "key_cache" else v_before
+            np.testing.assert_array_equal(heads_first(mine), before)
+    q64 = heads_first(xq)
     mask64 = None if mask is None else mask
     bias64 = None if xbias is None else host(xbias)
-    oracle_options = {
-        k: v for k, v in options.items() if k not in ("num_splits", "return_lse", "implementation")
-    }
+    call_only = ("num_splits", "return_lse", "implementation", "layout")
+    oracle_options = {k: v for k, v in options.items() if k not in call_only}
     check_against_oracle(
-        case, out, lse, k_after, v_after, q64, dtype, mask64, bias64, oracle_options
+        case, heads_first(out), lse, k_after, v_after, q64, dtype, mask64, bias64, oracle_options
     )
     return result
 
@@ -335,6 +346,22 @@ def test_matches_oracle(backend_dtype, config, paged, new, options):
     if "splits" in config:
         options["num_splits"] = 3
     run(backend, dtype, case, mask=mask, bias=bias, **options)
+
+
+@pytest.mark.parametrize(
+    ("config", "paged", "new", "options"),
+    [CONFIGS[0], CONFIGS[3], CONFIGS[4]],
+    ids=[c[0] for c in (CONFIGS[0], CONFIGS[3], CONFIGS[4])],
+)
+def test_length_before_heads_layout(backend, config, paged, new, options):
+    """``layout="BLHE"``: (B, L, H, E) queries and new tokens, (B, S_max, Hkv, E) or paged
+    (num_pages, page_size, Hkv, E) caches, written through views (the caller's arrays
+    returned where the library writes in place), the results as the heads-first call's."""
+    options = dict(options)
+    heads_kv = options.pop("heads_kv", 2 if options.get("enable_gqa") else 4)
+    lengths = NEW_LENGTHS if new else CACHED_LENGTHS
+    case = make_case(config, lengths=lengths, new=new, paged=paged, heads_kv=heads_kv)
+    run(backend, "float32", case, return_lse=True, layout="BLHE", **options)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._arrays.typing import Array
+from ..._arrays.typing import Array, Layout
 from ..._kernels.triton.decoding import triton_decode
+from ..layout import check_layout, swap_heads_and_length
 from .args import CacheCall, check_call
 from .chunks import attend_chunks
 from .decode import decode_call
@@ -25,6 +26,7 @@ def attention_with_kv_cache(
     new_value: Array | None = None,
     block_table: Array | list[list[int]] | None = None,
     num_splits: int | None = None,
+    layout: Layout = "BHLE",
     **options: Any,
 ) -> tuple[Array, ...]:
     r"""Attention of a few new queries over a KV cache (decoding), contiguous or paged.
@@ -58,6 +60,13 @@ def attention_with_kv_cache(
     num_splits : int, optional
         Into how many chunks the longest attended range is split (see Notes); by default
         chosen from its length. Chunks are whole pages, so fewer may result.
+    layout : {"BHLE", "BLHE"}, default "BHLE"
+        With ``"BLHE"``, ``query``, ``new_key``, ``new_value``, the output and the caches
+        hold the length axis before the heads axis: ``(B, L, Hq, E)``, caches ``(B, S_max,
+        Hkv, E)`` or, paged, ``(num_pages, page_size, Hkv, E)`` (FlashAttention's and
+        vLLM's paged layout), computed on views with the two axes swapped, the caches
+        written through them. ``mask``, ``bias``, the log-sum-exp and the maximum scores
+        keep their shapes.
     **options
         ``mask``, ``bias``, ``is_causal``, ``window``, ``scale``, ``softcap``,
         ``enable_gqa``, ``return_lse``, ``return_max_scores``: as in
@@ -173,6 +182,31 @@ def attention_with_kv_cache(
     >>> bool(np.allclose(out_paged, out))
     True
     """
+    check_layout(
+        layout,
+        {"query": query, "key_cache": key_cache, "value_cache": value_cache,
+         "new_key": new_key, "new_value": new_value},
+    )  # fmt: skip
+    if layout == "BLHE":  # computed heads first on views; the caller's caches returned
+        views = swap_heads_and_length(query, key_cache, value_cache, new_key, new_value)
+        result = attention_with_kv_cache(
+            views[0],
+            views[1],
+            views[2],
+            cache_lengths=cache_lengths,
+            new_key=views[3],
+            new_value=views[4],
+            block_table=block_table,
+            num_splits=num_splits,
+            **options,
+        )
+        returned = [
+            given if got is view else swap_heads_and_length(got)[0]
+            for got, view, given in zip(
+                result[-2:], views[1:3], (key_cache, value_cache), strict=True
+            )
+        ]
+        return (swap_heads_and_length(result[0])[0], *result[1:-2], *returned)
     c = check_call(
         query,
         key_cache,
