@@ -471,16 +471,21 @@ def scaled_dot_product_attention(
         bias_mod=bias_mod,
     )
     outputs = Outputs.of(return_weights, return_lse, return_max_scores)
-    calls = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
-    keywords: dict[str, Any] = {**options.keywords(), **outputs.flags, **calls}
     check_layout(layout, {"query": query, "key": key, "value": value})
+
+    def keywords() -> dict[str, Any]:
+        """The call's keywords but the layout, for calling this function again."""
+        calls = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
+        return {**options.keywords(), **outputs.flags, **calls}
+
     if layout == "BLHE":  # computed heads-first on views, the output swapped back
-        return heads_first_forward(scaled_dot_product_attention, query, key, value, keywords)
+        return heads_first_forward(scaled_dot_product_attention, query, key, value, keywords())
     problem = None
     if eager_jax([query, key, value]):  # compiled whole, once per setup (after the checks)
         problem = validate(query, key, value, options)
         if problem.L and problem.S:
-            done, result = run_jitted(scaled_dot_product_attention, (query, key, value), keywords)
+            arrays = (query, key, value)
+            done, result = run_jitted(scaled_dot_product_attention, arrays, keywords())
             if done:
                 return result
     return run_forward(

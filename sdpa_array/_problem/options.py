@@ -76,11 +76,12 @@ class Options:
     def keywords(self) -> dict[str, Any]:
         """The options as the public functions' keyword arguments (the values themselves,
         not copies)."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return {name: getattr(self, name) for name in _FIELD_NAMES}
 
 
-#: The options' names.
-NAMES = frozenset(field.name for field in dataclasses.fields(Options))
+#: The options' names, in the order of the record's fields.
+_FIELD_NAMES = tuple(field.name for field in dataclasses.fields(Options))
+NAMES = frozenset(_FIELD_NAMES)
 
 
 def check_dropout(dropout_p: Any, dropout_seed: Any) -> tuple[float, int | Array | None]:
