@@ -212,7 +212,13 @@ def test_no_sequence_gives_empty_results(backend):
         q, k, v, g, [0], enable_gqa=True, sinks=sinks
     )
     assert [tuple(x.shape) for x in grads] == [(0, HQ, E), (0, HKV, E), (0, HKV, E), (HQ,)]
+    assert grads[3].dtype == sinks.dtype
     assert not np.any(reference.to_numpy(grads[3]))
+    # the sinks' gradient keeps their dtype (it is summed in float32 where there are sequences)
+    half = np.ones(HQ, dtype=np.float16)
+    q32, k32, v32, g32 = _arrays(sdpa_array.testing.get_backend("numpy"), "float32", [0], [0])
+    vjp = sdpa_array.scaled_dot_product_attention_varlen_vjp
+    assert vjp(q32, k32, v32, g32, [0], enable_gqa=True, sinks=half)[3].dtype == np.float16
 
 
 def test_torch_autograd_reaches_every_input(torch_backend):

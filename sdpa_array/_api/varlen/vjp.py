@@ -11,13 +11,13 @@ from ..._arrays.compat import array_namespace
 from ..._arrays.typing import Alignment, Array, BiasMod, MaskMod
 from ..._kernels.result import zero_gradients
 from ..._problem.options import Options
-from ..._problem.packed import Packed, check_packed
+from ..._problem.packed import check_packed
 from ..._problem.problem import Inputs
 from ..jax_eager import eager_jax, run_jitted
 from ..layout import swap_heads_and_length
 from ..run import run_vjp
 from ..vjp import check_cotangent
-from .sequences import Sequence, keywords_of, sequences, static_offsets
+from .sequences import keywords_of, sequences, static_offsets
 
 __all__ = ["scaled_dot_product_attention_varlen_vjp"]
 
@@ -109,19 +109,14 @@ def scaled_dot_product_attention_varlen_vjp(
         mask_mod=mask_mod,
         bias_mod=bias_mod,
     )
-    # the sinks' and the scale's gradients are sums over the sequences: each sequence
-    # computes its share in float32 at least, and the sum is rounded once (the caller's
-    # options are checked first, on the first sequence)
-    first = sequences(query, key, value, packed, options, limit=1)[0].problem
-    summed: list[Any] = [sinks, scale if first.scale_is_array else None]
-    dtypes = [x.dtype for x in summed if x is not None]
-    wide = {"sinks": _widened(sinks)}
-    if first.scale_is_array:
-        wide["scale"] = _widened(scale)
-    calls = sequences(query, key, value, packed, options.replace(**wide))
-    cotangents = _cotangents(query, grad_output, packed, calls)
-    blocks = (block_q, block_k)
-    if packed.count and eager_jax([query, key, value, grad_output]):  # compiled whole
+    first = sequences(query, key, value, packed, options, limit=1)[0]  # the options checked
+    p = first.problem
+    check_cotangent(query, grad_output, (int(query.shape[0]), p.heads_q, p.Ev))
+    if not packed.count:  # no sequence: every gradient is zero
+        x = Inputs.of(first.query, first.key, first.value, first.options, p)
+        empty = zero_gradients(p, x)
+        return (*swap_heads_and_length(*empty[:3]), *empty[3:])
+    if eager_jax([query, key, value, grad_output]):  # compiled whole
         keywords = {**keywords_of(options), "implementation": implementation}
         keywords.update(block_q=block_q, block_k=block_k)
         done, result = run_jitted(
@@ -131,11 +126,18 @@ def scaled_dot_product_attention_varlen_vjp(
         )
         if done:
             return result  # type: ignore[no-any-return]
-    if not packed.count:
-        s = calls[0]
-        x = Inputs.of(s.query, s.key, s.value, s.options, s.problem)
-        empty = zero_gradients(s.problem, x)
-        return (*swap_heads_and_length(*empty[:3]), *empty[3:])
+    # the sinks' and the scale's gradients are sums over the sequences: each sequence
+    # computes its share in float32 at least, and the sum is rounded once
+    summed: list[Any] = [sinks, scale if p.scale_is_array else None]
+    dtypes = [x.dtype for x in summed if x is not None]
+    wide = {"sinks": _widened(sinks)}
+    if p.scale_is_array:
+        wide["scale"] = _widened(scale)
+    calls = sequences(query, key, value, packed, options.replace(**wide))
+    cotangents = [
+        swap_heads_and_length(grad_output[packed.rows(n), ...])[0] for n in range(packed.count)
+    ]
+    blocks = (block_q, block_k)
     grads = [
         run_vjp(s.query, s.key, s.value, g, s.options, implementation, blocks, s.problem)
         for s, g in zip(calls, cotangents, strict=True)
@@ -149,16 +151,6 @@ def _widened(x: Array | None) -> Array | None:
         return None
     xp = array_namespace({"x": x})
     return xp.astype(x, xp.float64 if x.dtype == xp.float64 else xp.float32)
-
-
-def _cotangents(
-    query: Array, grad_output: Array, packed: Packed, calls: list[Sequence]
-) -> list[Array]:
-    """``grad_output`` checked to be the packed output's cotangent ``(total_q, Hq, Ev)`` and
-    cut into the sequences' heads-first cotangents."""
-    p = calls[0].problem
-    check_cotangent(query, grad_output, (int(query.shape[0]), p.heads_q, p.Ev))
-    return [swap_heads_and_length(grad_output[packed.rows(n), ...])[0] for n in range(packed.count)]
 
 
 def _join(query: Array, grads: list[tuple[Array, ...]], dtypes: list[Any]) -> tuple[Array, ...]:
