@@ -8,9 +8,9 @@ packed along one axis with cumulative offsets. :func:`merge_attention_states` co
 partial results over disjoint key sets, and :func:`attention_with_kv_cache` decodes against
 a contiguous or paged key/value cache. :func:`dropout_keep_mask` is the keep mask of
 attention dropout for a seed, the same bits on every library. ``mask_mod``/``bias_mod``
-take mask and bias functions of the indices instead of dense arrays: ready-made ones are in
-:mod:`sdpa_array.mods`, and :func:`create_block_mask` classifies a mask function's blocks
-once for reuse.
+take mask and bias functions of the indices instead of dense arrays, and ``score_mod`` a
+function of each score and its indices: ready-made ones are in :mod:`sdpa_array.mods`, and
+:func:`create_block_mask` classifies a mask function's blocks once for reuse.
 :mod:`sdpa_array.reference` is an independent float64 NumPy oracle with the same arguments,
 and :mod:`sdpa_array.testing` checks any result against it.
 """

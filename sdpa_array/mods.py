@@ -1,4 +1,4 @@
-"""Ready-made ``mask_mod`` and ``bias_mod`` functions (FlexAttention style).
+"""Ready-made ``mask_mod``, ``bias_mod`` and ``score_mod`` functions (FlexAttention style).
 
 A *mask mod* says which keys each query may attend to, a *bias mod* what is added to the
 scores, as functions of the positions instead of arrays of the scores' shape:
@@ -6,7 +6,9 @@ scores, as functions of the positions instead of arrays of the scores' shape:
 - ``mask_mod(batch, head, q_idx, kv_idx)`` returns a boolean array, True where the query may
   attend to the key;
 - ``bias_mod(batch, head, q_idx, kv_idx)`` returns a real floating array added to the scores
-  (``-inf`` excludes the key).
+  (``-inf`` excludes the key);
+- ``score_mod(score, batch, head, q_idx, kv_idx)`` returns new scores from the scaled ones,
+  element by element (:func:`score_function` attaches the derivative a gradient needs).
 
 The four arguments are integer arrays (the namespace's default integer dtype) of one array
 library and device that broadcast together to the shape of the scores being computed, for
@@ -60,6 +62,7 @@ from sdpa_array._problem.mods_data import (
     SlidingWindowMod,
     check_index,
 )
+from sdpa_array._problem.score_mods import score_function, tanh_softcap, temperature
 
 __all__ = [
     "alibi",
@@ -70,7 +73,10 @@ __all__ = [
     "or_masks",
     "prefix_lm",
     "relative_position_bias",
+    "score_function",
     "sliding_window",
+    "tanh_softcap",
+    "temperature",
 ]
 
 #: What a mod is called with and returns.

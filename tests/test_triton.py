@@ -594,6 +594,11 @@ def test_plan_refuses_what_the_kernels_cannot_compute(
         return i >= j
 
     assert "mask_mod" in _refusal(Call(triton_backend, "float32", base, {"mask_mod": mod}))
+
+    def score(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+        return s * 2.0
+
+    assert "score_mod" in _refusal(Call(triton_backend, "float32", base, {"score_mod": score}))
     wide = _with_grad(_qkv(rng, (1, 1, 4, 300), (1, 1, 4, 300)), rng)
     assert "300" in _refusal(Call(triton_backend, "float32", wide, {}))
     numpy_call = Call(get_backend("numpy"), "float32", base, {})

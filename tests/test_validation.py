@@ -215,3 +215,20 @@ def test_zero_width_features_use_unit_scale():
     q, k, v = np.ones((2, 0)), np.ones((3, 0)), np.arange(6.0).reshape(3, 2)
     out = sdpa_array.scaled_dot_product_attention(q, k, v)
     np.testing.assert_allclose(out, np.broadcast_to(v.mean(axis=0), (2, 2)), rtol=1e-15)
+
+
+def test_keyword_type_lists_every_keyword():
+    """The overloads' keyword type holds every keyword of the implementation's signature
+    but the three ``return_*`` flags, and every option of the options record is one."""
+    import inspect
+    import typing
+
+    from sdpa_array._api.keywords import AttentionKeywords
+    from sdpa_array._problem.options import Options
+
+    parameters = inspect.signature(sdpa_array.scaled_dot_product_attention).parameters
+    keywords = {n for n, p in parameters.items() if p.kind is p.KEYWORD_ONLY}
+    flags = {"return_weights", "return_lse", "return_max_scores"}
+    typed = set(typing.get_type_hints(AttentionKeywords, include_extras=False).keys())
+    assert typed == keywords - flags
+    assert {f.name for f in dataclasses.fields(Options)} <= typed

@@ -24,6 +24,7 @@ import pytest
 import sdpa_array
 from sdpa_array import reference
 from sdpa_array._api.varlen import forward as varlen_forward
+from sdpa_array._arrays.compat import array_namespace
 from sdpa_array.testing import assert_varlen_close_to_oracle, assert_varlen_vjp_close_to_oracle
 
 #: JAX compiles every new shape and Dask builds a graph per call: on them these cases run in
@@ -48,6 +49,18 @@ def _batch_mask(b, h, q_idx, kv_idx):
     return (kv_idx + b + h) % 3 != 0
 
 
+def _batch_score(s, b, h, q_idx, kv_idx):
+    """A score function of the score and every index (the batch is the sequence)."""
+    xp = array_namespace({"s": s})
+    gain = 1.0 + 0.25 * xp.astype(b, s.dtype) + 0.125 * xp.astype(h, s.dtype)
+    return s * gain - 0.125 * xp.astype(xp.abs(q_idx - kv_idx), s.dtype)
+
+
+def _batch_score_slope(s, b, h, q_idx, kv_idx):
+    xp = array_namespace({"s": s})
+    return 1.0 + 0.25 * xp.astype(b, s.dtype) + 0.125 * xp.astype(h, s.dtype)
+
+
 #: The options of a packed call, one feature each (with GQA throughout).
 CASES = {
     "plain": {},
@@ -59,6 +72,10 @@ CASES = {
     "scale-array": {"scale": np.asarray(0.3)},
     "dropout": {"dropout_p": 0.4, "dropout_seed": 11},
     "mods": {"mask_mod": _batch_mask, "bias_mod": sdpa_array.mods.alibi(np.linspace(0.1, 1, 4))},
+    "score-mod": {
+        "score_mod": sdpa_array.mods.score_function(_batch_score, _batch_score_slope),
+        "softcap": 3.0,
+    },
 }
 
 

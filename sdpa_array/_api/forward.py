@@ -10,15 +10,28 @@ and JAX autodiff where needed); :mod:`sdpa_array._kernels.result` casts and pack
 
 from __future__ import annotations
 
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
-from .._arrays.typing import Alignment, Array, BiasMod, ImplementationName, Layout, MaskMod
+from .._arrays.typing import (
+    Alignment,
+    Array,
+    BiasMod,
+    ImplementationName,
+    Layout,
+    MaskMod,
+    ScoreMod,
+)
 from .._problem.options import Options
 from .._problem.outputs import Outputs
 from .._problem.problem import validate
 from .jax_eager import eager_jax, run_jitted
 from .layout import check_layout, heads_first_forward
 from .run import run_forward
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .keywords import AttentionKeywords
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -30,29 +43,10 @@ def scaled_dot_product_attention(
     value: Array,
     /,
     *,
-    mask: Array | None = ...,
-    bias: Array | None = ...,
-    is_causal: bool = ...,
-    window: tuple[int | None, int | None] | None = ...,
-    alignment: Alignment = ...,
-    scale: float | Array | None = ...,
-    softcap: float | None = ...,
-    enable_gqa: bool = ...,
-    query_lengths: int | Array | None = ...,
-    key_lengths: int | Array | None = ...,
-    segment_ids: tuple[Array, Array] | None = ...,
-    sinks: Array | None = ...,
-    dropout_p: float = ...,
-    dropout_seed: int | Array | None = ...,
-    mask_mod: MaskMod | None = ...,
-    bias_mod: BiasMod | None = ...,
     return_weights: Literal[False] = ...,
     return_lse: Literal[False] = ...,
     return_max_scores: Literal[False] = ...,
-    implementation: ImplementationName = ...,
-    block_q: int | None = ...,
-    block_k: int | None = ...,
-    layout: Layout = ...,
+    **options: Unpack[AttentionKeywords],
 ) -> Array: ...
 
 
@@ -63,29 +57,10 @@ def scaled_dot_product_attention(
     value: Array,
     /,
     *,
-    mask: Array | None = ...,
-    bias: Array | None = ...,
-    is_causal: bool = ...,
-    window: tuple[int | None, int | None] | None = ...,
-    alignment: Alignment = ...,
-    scale: float | Array | None = ...,
-    softcap: float | None = ...,
-    enable_gqa: bool = ...,
-    query_lengths: int | Array | None = ...,
-    key_lengths: int | Array | None = ...,
-    segment_ids: tuple[Array, Array] | None = ...,
-    sinks: Array | None = ...,
-    dropout_p: float = ...,
-    dropout_seed: int | Array | None = ...,
-    mask_mod: MaskMod | None = ...,
-    bias_mod: BiasMod | None = ...,
     return_weights: Literal[True],
     return_lse: Literal[False] = ...,
     return_max_scores: Literal[False] = ...,
-    implementation: ImplementationName = ...,
-    block_q: int | None = ...,
-    block_k: int | None = ...,
-    layout: Layout = ...,
+    **options: Unpack[AttentionKeywords],
 ) -> tuple[Array, Array]: ...
 
 
@@ -96,29 +71,10 @@ def scaled_dot_product_attention(
     value: Array,
     /,
     *,
-    mask: Array | None = ...,
-    bias: Array | None = ...,
-    is_causal: bool = ...,
-    window: tuple[int | None, int | None] | None = ...,
-    alignment: Alignment = ...,
-    scale: float | Array | None = ...,
-    softcap: float | None = ...,
-    enable_gqa: bool = ...,
-    query_lengths: int | Array | None = ...,
-    key_lengths: int | Array | None = ...,
-    segment_ids: tuple[Array, Array] | None = ...,
-    sinks: Array | None = ...,
-    dropout_p: float = ...,
-    dropout_seed: int | Array | None = ...,
-    mask_mod: MaskMod | None = ...,
-    bias_mod: BiasMod | None = ...,
     return_weights: Literal[False] = ...,
     return_lse: Literal[True],
     return_max_scores: Literal[False] = ...,
-    implementation: ImplementationName = ...,
-    block_q: int | None = ...,
-    block_k: int | None = ...,
-    layout: Layout = ...,
+    **options: Unpack[AttentionKeywords],
 ) -> tuple[Array, Array]: ...
 
 
@@ -129,29 +85,10 @@ def scaled_dot_product_attention(
     value: Array,
     /,
     *,
-    mask: Array | None = ...,
-    bias: Array | None = ...,
-    is_causal: bool = ...,
-    window: tuple[int | None, int | None] | None = ...,
-    alignment: Alignment = ...,
-    scale: float | Array | None = ...,
-    softcap: float | None = ...,
-    enable_gqa: bool = ...,
-    query_lengths: int | Array | None = ...,
-    key_lengths: int | Array | None = ...,
-    segment_ids: tuple[Array, Array] | None = ...,
-    sinks: Array | None = ...,
-    dropout_p: float = ...,
-    dropout_seed: int | Array | None = ...,
-    mask_mod: MaskMod | None = ...,
-    bias_mod: BiasMod | None = ...,
     return_weights: Literal[True],
     return_lse: Literal[True],
     return_max_scores: Literal[False] = ...,
-    implementation: ImplementationName = ...,
-    block_q: int | None = ...,
-    block_k: int | None = ...,
-    layout: Layout = ...,
+    **options: Unpack[AttentionKeywords],
 ) -> tuple[Array, Array, Array]: ...
 
 
@@ -162,29 +99,10 @@ def scaled_dot_product_attention(
     value: Array,
     /,
     *,
-    mask: Array | None = ...,
-    bias: Array | None = ...,
-    is_causal: bool = ...,
-    window: tuple[int | None, int | None] | None = ...,
-    alignment: Alignment = ...,
-    scale: float | Array | None = ...,
-    softcap: float | None = ...,
-    enable_gqa: bool = ...,
-    query_lengths: int | Array | None = ...,
-    key_lengths: int | Array | None = ...,
-    segment_ids: tuple[Array, Array] | None = ...,
-    sinks: Array | None = ...,
-    dropout_p: float = ...,
-    dropout_seed: int | Array | None = ...,
-    mask_mod: MaskMod | None = ...,
-    bias_mod: BiasMod | None = ...,
     return_weights: bool = ...,
     return_lse: bool = ...,
     return_max_scores: Literal[True],
-    implementation: ImplementationName = ...,
-    block_q: int | None = ...,
-    block_k: int | None = ...,
-    layout: Layout = ...,
+    **options: Unpack[AttentionKeywords],
 ) -> tuple[Array, ...]: ...
 
 
@@ -195,29 +113,10 @@ def scaled_dot_product_attention(
     value: Array,
     /,
     *,
-    mask: Array | None = ...,
-    bias: Array | None = ...,
-    is_causal: bool = ...,
-    window: tuple[int | None, int | None] | None = ...,
-    alignment: Alignment = ...,
-    scale: float | Array | None = ...,
-    softcap: float | None = ...,
-    enable_gqa: bool = ...,
-    query_lengths: int | Array | None = ...,
-    key_lengths: int | Array | None = ...,
-    segment_ids: tuple[Array, Array] | None = ...,
-    sinks: Array | None = ...,
-    dropout_p: float = ...,
-    dropout_seed: int | Array | None = ...,
-    mask_mod: MaskMod | None = ...,
-    bias_mod: BiasMod | None = ...,
     return_weights: bool = ...,
     return_lse: bool = ...,
     return_max_scores: bool = ...,
-    implementation: ImplementationName = ...,
-    block_q: int | None = ...,
-    block_k: int | None = ...,
-    layout: Layout = ...,
+    **options: Unpack[AttentionKeywords],
 ) -> Array | tuple[Array, ...]: ...
 
 
@@ -243,6 +142,7 @@ def scaled_dot_product_attention(
     dropout_seed: int | Array | None = None,
     mask_mod: MaskMod | None = None,
     bias_mod: BiasMod | None = None,
+    score_mod: ScoreMod | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
     return_max_scores: bool = False,
@@ -340,6 +240,15 @@ def scaled_dot_product_attention(
         same arguments, added to the scores where ``bias`` is (after ``softcap``, before the
         masks; ``-inf`` excludes), e.g. :func:`sdpa_array.mods.alibi`. No gradient reaches
         it.
+    score_mod : callable, optional
+        A score function ``score_mod(score, batch, head, q_idx, kv_idx) -> floating array``
+        applied element-wise to the scaled scores ``scale · q·k`` (before ``softcap``,
+        ``bias`` and ``bias_mod``), with the index arguments of ``mask_mod``; evaluated tile
+        by tile. The backward pass multiplies by its derivative with respect to ``score``:
+        its ``derivative`` method when it has one (:func:`sdpa_array.mods.score_function`,
+        and the ready-made :func:`sdpa_array.mods.tanh_softcap` and
+        :func:`sdpa_array.mods.temperature`), else torch's or JAX's autodiff; on other
+        libraries a gradient without one is a ``TypeError``.
     return_weights : bool, default False
         Also return the attention weights ``(..., Hq, L, S)`` (after dropout).
     return_lse : bool, default False
@@ -348,12 +257,13 @@ def scaled_dot_product_attention(
     return_max_scores : bool, default False
         Also return the maximum scores ``(..., Hq)``: for each batch element and query
         head, the largest ``scale * q . k`` over its admissible pairs (those no mask,
-        restriction or length excludes), before ``softcap``, ``bias``, ``bias_mod`` and
-        dropout; ``-inf`` for a head with no admissible pair. In the compute dtype, as a
-        statistic (never differentiated: torch detaches it, JAX stops its gradient), for
-        QK-clip / MuonClip training. Computed inside the kernel at ``O(L)`` extra memory
-        (no second pass: the blocked, materialized and Triton kernels); torch's and JAX's
-        kernels do not return it (``"native"`` refuses, ``"auto"`` runs another kernel).
+        restriction or length excludes), before ``score_mod``, ``softcap``, ``bias``,
+        ``bias_mod`` and dropout; ``-inf`` for a head with no admissible pair. In the
+        compute dtype, as a statistic (never differentiated: torch detaches it, JAX stops
+        its gradient), for QK-clip / MuonClip training. Computed inside the kernel at
+        ``O(L)`` extra memory (no second pass: the blocked, materialized and Triton
+        kernels); torch's and JAX's kernels do not return it (``"native"`` refuses,
+        ``"auto"`` runs another kernel).
     implementation : str, default "auto"
         One of "auto", "materialized", "blocked", "native", "triton", "dask".
 
@@ -469,6 +379,7 @@ def scaled_dot_product_attention(
         dropout_seed=dropout_seed,
         mask_mod=mask_mod,
         bias_mod=bias_mod,
+        score_mod=score_mod,
     )
     outputs = Outputs.of(return_weights, return_lse, return_max_scores)
     check_layout(layout, {"query": query, "key": key, "value": value})

@@ -83,7 +83,8 @@ def run_jitted(
     compiled (see the module docstring). Keywords holding arrays (a tuple of arrays, for
     ``segment_ids``) are traced; the others are static."""
     int_seed = keywords.get("dropout_p") and not _is_array(keywords.get("dropout_seed"))
-    if int_seed or keywords.get("mask_mod") or keywords.get("bias_mod"):
+    mods = (keywords.get(name) for name in ("mask_mod", "bias_mod", "score_mod"))
+    if int_seed or any(mod is not None for mod in mods):
         return False, None
     dynamic: dict[str, Any] = {}
     static: list[tuple[str, Any]] = []

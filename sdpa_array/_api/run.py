@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._arrays.typing import Array
+from .._kernels.mod_terms import score_mod_derivable
 from .._kernels.result import empty_result, finalize, finish_gradients, zero_gradients
 from .._plan import autograd as _autograd
 from .._plan.plan import plan_forward, plan_vjp
@@ -56,7 +57,10 @@ def run_vjp(
     problem: Problem,
 ) -> tuple[Array, ...]:
     """Plan a heads-first VJP call of a validated ``problem`` (``grad_output`` already
-    checked against it), run its backward and return the public function's gradients."""
+    checked against it), run its backward and return the public function's gradients.
+    A ``score_mod`` without a derivative on a library without autodiff is a ``TypeError``
+    here, before any work."""
+    score_mod_derivable(problem)
     plan = plan_vjp(query, key, value, options, implementation, blocks, problem=problem)
     if plan.empty:  # nothing reaches the output: every gradient is zero
         return zero_gradients(problem, plan.inputs)

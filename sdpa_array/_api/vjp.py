@@ -12,7 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 from .._arrays.compat import array_namespace
-from .._arrays.typing import Alignment, Array, BiasMod, Layout, MaskMod, VJPImplementationName
+from .._arrays.typing import (
+    Alignment,
+    Array,
+    BiasMod,
+    Layout,
+    MaskMod,
+    ScoreMod,
+    VJPImplementationName,
+)
 from .._problem.options import Options
 from .._problem.problem import Problem, validate
 from .jax_eager import eager_jax, run_jitted
@@ -80,6 +88,7 @@ def scaled_dot_product_attention_vjp(
     dropout_seed: int | Array | None = None,
     mask_mod: MaskMod | None = None,
     bias_mod: BiasMod | None = None,
+    score_mod: ScoreMod | None = None,
     implementation: VJPImplementationName = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -108,6 +117,9 @@ def scaled_dot_product_attention_vjp(
         As for the forward: the same seed regenerates the same keep mask.
     mask_mod, bias_mod
         As for :func:`scaled_dot_product_attention`; they have no gradient.
+    score_mod
+        As for :func:`scaled_dot_product_attention`: the gradients pass through its
+        derivative (its ``derivative`` method, or torch's or JAX's autodiff).
     implementation : {"auto", "materialized", "blocked", "native", "triton", "dask"}
         Default ``"auto"``. ``"materialized"`` forms the full score matrix once;
         ``"blocked"`` works tile by tile in ``O(block_q * block_k)`` memory per batch
@@ -145,7 +157,8 @@ def scaled_dot_product_attention_vjp(
     ------
     TypeError
         As for the forward; also a ``grad_output`` that is not an array of the same
-        library, or whose dtype is not the output's.
+        library, or whose dtype is not the output's, and a ``score_mod`` without a
+        ``derivative`` method on a library without autodiff.
     ValueError
         As for the forward; also a ``grad_output`` whose shape is not the output's, an
         unknown ``implementation``, or block sizes for the materialized implementation.
@@ -160,7 +173,8 @@ def scaled_dot_product_attention_vjp(
         dV = P^T dO, \quad dP = dO\, V^T, \quad D_i = \sum_j P_{ij} dP_{ij}
         = (dO \odot O)_i \mathbf{1}, \quad dZ = P \odot (dP - D),
 
-    ``dBias = dZ``, and with ``dS = dZ`` (times ``1 - tanh²`` under a soft-cap),
+    ``dBias = dZ``, and with ``dS = dZ`` (times ``1 - tanh²`` under a soft-cap, and the
+    derivative of ``score_mod`` with one),
     ``dQ = scale · dS K``, ``dK = scale · dSᵀ Q`` and, when ``scale`` is an array,
     ``dscale = Σ dS ⊙ (Q Kᵀ) = Σ Q ⊙ dQ / scale``. Everything runs in at least float32
     and is returned in the inputs' dtypes. Rows with no admissible key, and keys no query
@@ -200,6 +214,7 @@ def scaled_dot_product_attention_vjp(
         dropout_seed=dropout_seed,
         mask_mod=mask_mod,
         bias_mod=bias_mod,
+        score_mod=score_mod,
     )
     check_layout(layout, {"query": query, "key": key, "value": value, "grad_output": grad_output})
     if layout == "BLHE":  # computed heads-first on views, the gradients swapped back

@@ -6,6 +6,9 @@ dependency is visible in one place.
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -158,3 +161,38 @@ def stop_gradient(xp: ModuleType, x: Any) -> Any:
 
         return jax.lax.stop_gradient(x)
     return x
+
+
+def elementwise_derivative(
+    xp: ModuleType, f: Callable[[Any], Any], x: Any
+) -> tuple[Any, Any] | None:
+    """``(f(x), f'(x))`` for an element-wise ``f`` by the library's forward-mode autodiff
+    (torch's :func:`torch.func.jvp`, :func:`jax.jvp`, with a tangent of ones); ``None`` for
+    a library without autodiff.
+
+    Under torch autograd the result stays differentiable (a gradient of the derivative,
+    as double backward needs, is taken through it).
+    """
+    if is_torch_namespace(xp):
+        import torch
+
+        _load_torch_forward_mode()
+        return tuple(torch.func.jvp(f, (x,), (torch.ones_like(x),)))
+    if is_jax_namespace(xp):
+        import jax
+
+        return tuple(jax.jvp(f, (x,), (xp.ones_like(x),)))
+    return None
+
+
+@functools.cache
+def _load_torch_forward_mode() -> None:
+    """Run torch's forward mode once on a 0-d tensor, without the ``DeprecationWarning``
+    that torch's own first use of it raises (it scripts its decompositions with
+    ``torch.jit.script``), so a caller's first ``score_mod`` gradient does not show it."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)
+        zero = torch.zeros(())
+        torch.func.jvp(torch.neg, (zero,), (zero,))

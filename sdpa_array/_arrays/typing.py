@@ -17,6 +17,7 @@ __all__ = [
     "ImplementationName",
     "Layout",
     "MaskMod",
+    "ScoreMod",
     "VJPImplementationName",
 ]
 
@@ -46,3 +47,6 @@ MaskMod: TypeAlias = Callable[[Any, Any, Any, Any], Any]
 
 #: A bias function ``bias_mod(batch, head, q_idx, kv_idx) -> floating array``.
 BiasMod: TypeAlias = Callable[[Any, Any, Any, Any], Any]
+
+#: A score function ``score_mod(score, batch, head, q_idx, kv_idx) -> floating array``.
+ScoreMod: TypeAlias = Callable[[Any, Any, Any, Any, Any], Any]

@@ -1,10 +1,11 @@
-"""Mask and bias functions in the kernels: a restriction member and a score term.
+"""Mask, bias and score functions in the kernels: a restriction member and score terms.
 
 ``mask_mod`` becomes a :class:`ModMask`, a member of
-:class:`~sdpa_array._kernels.restrictions.Restrictions`, and ``bias_mod`` a
-:class:`ModBias`, a field of :class:`~sdpa_array._kernels.score_terms.ScoreTerms`; both call
-their function on the index arrays of one tile (:class:`ModIndices`), never on the whole
-``(L, S)`` grid unless the tile is the grid (the materialized kernel).
+:class:`~sdpa_array._kernels.restrictions.Restrictions`, ``bias_mod`` a :class:`ModBias` and
+``score_mod`` a :class:`ModScore`, fields of
+:class:`~sdpa_array._kernels.score_terms.ScoreTerms`; each calls its function on the index
+arrays of one tile (:class:`ModIndices`), never on the whole ``(L, S)`` grid unless the tile
+is the grid (the materialized kernel).
 
 A :class:`ModMask` classifies tiles from block classes (:class:`BlockClasses`): those of a
 :class:`~sdpa_array._problem.block_mask.BlockMask` the caller made, or, for a plain function, those
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays.compat import stop_gradient
+from .._arrays.compat import elementwise_derivative, namespace_name, stop_gradient
 from .._arrays.slicing import at_batch
 from .._arrays.typing import Array
 from .._problem.block_mask import EMPTY, FULL, HOST_BLOCK, BlockMask, classify_in, classify_on_host
@@ -34,7 +35,17 @@ from .._problem.mods_data import NamedMod
 from .._problem.problem import Problem
 from .restrictions import TileKind
 
-__all__ = ["BlockClasses", "ModBias", "ModIndices", "ModMask", "mod_bias", "mod_mask"]
+__all__ = [
+    "BlockClasses",
+    "ModBias",
+    "ModIndices",
+    "ModMask",
+    "ModScore",
+    "mod_bias",
+    "mod_mask",
+    "mod_score",
+    "score_mod_derivable",
+]
 
 
 @dataclass(frozen=True)
@@ -71,14 +82,20 @@ class ModIndices:
             shape=self.shape[len(index) :],
         )
 
-    def call(self, name: str, mod: Callable[..., Any], rows: slice, cols: slice) -> Array:
-        """``mod`` on the tile (``rows``, ``cols``), checked (:func:`~._mod_calls.call_mod`),
-        as data (no gradient reaches what it was computed from)."""
+    def grid(self, rows: slice, cols: slice) -> tuple[tuple[Array, ...], tuple[int, ...]]:
+        """The index arrays ``(batch, head, q_idx, kv_idx)`` of the tile (``rows``,
+        ``cols``) and the shape of its scores."""
         xp, before = self.xp, (1,) * len(self.shape)
         q = xp.reshape(xp.arange(rows.start, rows.stop, device=self.device), (*before, -1, 1))
         kv = xp.reshape(xp.arange(cols.start, cols.stop, device=self.device), (*before, 1, -1))
         shape = (*self.shape, rows.stop - rows.start, cols.stop - cols.start)
-        return stop_gradient(xp, call_mod(name, mod, (self.batch, self.head, q, kv), shape))
+        return (self.batch, self.head, q, kv), shape
+
+    def call(self, name: str, mod: Callable[..., Any], rows: slice, cols: slice) -> Array:
+        """``mod`` on the tile (``rows``, ``cols``), checked (:func:`~._mod_calls.call_mod`),
+        as data (no gradient reaches what it was computed from)."""
+        indices, shape = self.grid(rows, cols)
+        return stop_gradient(self.xp, call_mod(name, mod, indices, shape))
 
 
 def _indices(p: Problem) -> ModIndices:
@@ -298,3 +315,72 @@ def mod_bias(p: Problem) -> ModBias | None:
         return None
     in_dtype = getattr(mod, "in_dtype", None)
     return ModBias(mod if in_dtype is None else in_dtype(p.compute_dtype), _indices(p))
+
+
+@dataclass(frozen=True)
+class ModScore:
+    """``score_mod`` as a score term: applied to a tile's scaled scores, with its
+    derivative for the backward pass.
+
+    ``derivative`` is the function's own ``derivative`` method where it has one; without
+    it the derivative comes from the library's autodiff
+    (:func:`~sdpa_array._arrays.compat.elementwise_derivative`).
+    """
+
+    mod: Callable[..., Any]
+    derivative: Callable[..., Any] | None
+    indices: ModIndices
+
+    def _checked(
+        self, name: str, f: Callable[..., Any], s: Array, rows: slice, cols: slice
+    ) -> Array:
+        indices, shape = self.indices.grid(rows, cols)
+        out = call_mod(name, f, indices, shape, score=s)
+        xp = self.indices.xp
+        if out.dtype != s.dtype:
+            out = xp.astype(out, s.dtype)
+        return out if tuple(out.shape) == tuple(s.shape) else xp.broadcast_to(out, s.shape)
+
+    def tile(self, s: Array, rows: slice, cols: slice) -> Array:
+        """``score_mod`` of the scores ``s`` of the tile (``rows``, ``cols``)."""
+        return self._checked("score_mod", self.mod, s, rows, cols)
+
+    def tile_and_slope(self, s: Array, rows: slice, cols: slice) -> tuple[Array, Array]:
+        """``score_mod(s)`` and its derivative with respect to ``s`` on the tile."""
+        if self.derivative is not None:
+            return self.tile(s, rows, cols), self._checked(
+                "score_mod.derivative", self.derivative, s, rows, cols
+            )
+        found = elementwise_derivative(
+            self.indices.xp, lambda x: self._checked("score_mod", self.mod, x, rows, cols), s
+        )
+        if found is None:  # checked before any work (score_mod_derivable)
+            raise TypeError("score_mod has no derivative")
+        return found
+
+    def at(self, index: tuple[int, ...]) -> ModScore:
+        return replace(self, indices=self.indices.at(index))
+
+
+def mod_score(p: Problem) -> ModScore | None:
+    """The :class:`ModScore` of ``p.score_mod`` (``None`` without one)."""
+    mod = p.score_mod
+    if mod is None:
+        return None
+    return ModScore(mod, getattr(mod, "derivative", None), _indices(p))
+
+
+def score_mod_derivable(p: Problem) -> None:
+    """Raise ``TypeError`` when a gradient through ``p.score_mod`` cannot be computed: the
+    function has no ``derivative`` method and the inputs' library no autodiff."""
+    mod = p.score_mod
+    if mod is None or getattr(mod, "derivative", None) is not None:
+        return
+    library = namespace_name(p.xp)
+    if library not in ("torch", "jax"):
+        raise TypeError(
+            f"score_mod {getattr(mod, '__qualname__', mod)!r} has no derivative method, and "
+            f"{library} arrays have no autodiff to find one: give the gradient's score "
+            "function with its derivative, sdpa_array.mods.score_function(score_mod, "
+            "derivative)"
+        )

@@ -34,7 +34,7 @@ from .layout import (
     grouped_score_term,
     leading_axes,
 )
-from .mod_terms import mod_bias, mod_mask
+from .mod_terms import mod_bias, mod_mask, mod_score
 from .restrictions import DenseMask, Restrictions
 from .score_terms import ScoreTerms
 from .sequences import sequence_members
@@ -132,6 +132,7 @@ def prepare(p: Problem, x: Inputs) -> Operands:
         layout(bias, term=True),
         layout(sink, term=True),
         mod_bias(p),
+        mod_score(p),
     )
     dropout = None
     if p.dropout_p > 0:

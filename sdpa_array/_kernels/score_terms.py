@@ -2,7 +2,8 @@
 
 Every term that changes a score's *value* lives in :class:`ScoreTerms`, applied tile by
 tile in the order of the public definition: the ``scale`` (folded into the query when
-that rounds nothing, see :attr:`ScoreTerms.scale_in_query`), the ``softcap``
+that rounds nothing, see :attr:`ScoreTerms.scale_in_query`), the score function
+``score_mod`` (:class:`~.mod_terms.ModScore`), the ``softcap``
 (``c · tanh(s / c)``), the additive ``bias`` and the bias function ``bias_mod`` (evaluated on
 the tile's indices, :class:`~.mod_terms.ModBias`); then the softmax's own term, the ``sink``
 (one logit per query head whose value is zero: :meth:`ScoreTerms.row_max` and
@@ -21,7 +22,7 @@ from types import ModuleType
 from .._arrays import inplace
 from .._arrays.slicing import at_batch, tile_of
 from .._arrays.typing import Array
-from .mod_terms import ModBias
+from .mod_terms import ModBias, ModScore
 
 __all__ = ["ScoreTerms"]
 
@@ -44,6 +45,8 @@ class ScoreTerms:
         capped or masked.
     bias_mod : ModBias or None
         The caller's ``bias_mod``, added where ``bias`` is.
+    score_mod : ModScore or None
+        The caller's ``score_mod``, applied to the scaled scores before the softcap.
     """
 
     scale: float | Array
@@ -51,6 +54,7 @@ class ScoreTerms:
     bias: Array
     sink: Array = None
     bias_mod: ModBias | None = None
+    score_mod: ModScore | None = None
 
     @property
     def scale_in_query(self) -> bool:
@@ -66,15 +70,18 @@ class ScoreTerms:
         instead (:meth:`apply`), which rounds each score once. A 0-d array scale is never
         inspected (that would synchronize with the device) and is applied to the scores.
         """
-        if self.softcap is not None or not isinstance(self.scale, (int, float)):
+        if self.softcap is not None or self.score_mod is not None:
+            return False
+        if not isinstance(self.scale, (int, float)):
             return False
         return self.scale > 0 and math.frexp(self.scale)[0] == 0.5
 
     @property
     def changes_scores(self) -> bool:
-        """Whether a term beyond the scale changes the scores (softcap, bias, bias
-        function): the final scores are then not the scaled products ``scale · q·k``."""
-        return self.softcap is not None or self.bias is not None or self.bias_mod is not None
+        """Whether a term beyond the scale changes the scores (score function, softcap,
+        bias, bias function): the final scores are then not the scaled products."""
+        terms = (self.score_mod, self.softcap, self.bias, self.bias_mod)
+        return any(t is not None for t in terms)
 
     def scaled(self, raw: Array) -> Array:
         """``scale · q kᵀ`` of a tile from its raw product, as a new array (:meth:`apply`
@@ -83,7 +90,8 @@ class ScoreTerms:
 
     def at(self, index: tuple[int, ...]) -> ScoreTerms:
         """The terms of the outer batch slice ``index``."""
-        if (self.bias is None and self.sink is None and self.bias_mod is None) or not index:
+        per_batch = (self.bias, self.sink, self.bias_mod, self.score_mod)
+        if all(t is None for t in per_batch) or not index:
             return self
         return ScoreTerms(
             self.scale,
@@ -91,6 +99,7 @@ class ScoreTerms:
             at_batch(self.bias, index),
             at_batch(self.sink, index),
             None if self.bias_mod is None else self.bias_mod.at(index),
+            None if self.score_mod is None else self.score_mod.at(index),
         )
 
     def row_max(self, xp: ModuleType, tile_max: Array) -> Array:
@@ -115,12 +124,24 @@ class ScoreTerms:
         rows, cols : slice
             Query and key index ranges of the tile (to cut the bias).
         need_factor : bool
-            Also return ``d scores / d(q kᵀ)`` where ``q`` does not carry the scale: with a
-            soft-cap ``scale · (1 - tanh²)``, without one ``scale``; ``None`` when
-            :attr:`scale_in_query`.
+            Also return ``d scores / d(q kᵀ)`` where ``q`` does not carry the scale:
+            ``scale``, times the score function's derivative and the soft-cap's
+            ``1 - tanh²`` where they are given; ``None`` when :attr:`scale_in_query`.
         """
         s, factor = raw, None
-        if self.softcap is not None:
+        if self.score_mod is not None:
+            x = inplace.multiply(raw, self.scale)
+            if need_factor:
+                s, slope = self.score_mod.tile_and_slope(x, rows, cols)
+                factor = slope * self.scale
+            else:
+                s = self.score_mod.tile(x, rows, cols)
+            if self.softcap is not None:
+                t = xp.tanh(s / self.softcap)
+                if need_factor:
+                    factor = factor * (1.0 - t * t)
+                s = t * self.softcap
+        elif self.softcap is not None:
             t = xp.tanh(raw * (self.scale / self.softcap))
             if need_factor:
                 factor = (1.0 - t * t) * self.scale

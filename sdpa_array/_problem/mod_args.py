@@ -1,10 +1,11 @@
-"""Validation of ``mask_mod`` and ``bias_mod``, before any array work.
+"""Validation of ``mask_mod``, ``bias_mod`` and ``score_mod``, before any array work.
 
 Each mod must be callable (``mask_mod`` may also be a :class:`~._block_mask.BlockMask` made
 for the call's sizes), and is probed once on one index of the inputs' library and device
-(``batch = head = q_idx = kv_idx = 0``), so that a function that raises, returns another
-library's array, the wrong dtype or a shape that does not follow its index arrays fails here
-with an error naming the argument, not inside a kernel.
+(``batch = head = q_idx = kv_idx = 0``; a ``score_mod`` and its ``derivative`` method,
+where it has one, also get a zero score in the compute dtype), so that a function that
+raises, returns another library's array, the wrong dtype or a shape that does not follow its
+index arrays fails here with an error naming the argument, not inside a kernel.
 """
 
 from __future__ import annotations
@@ -40,27 +41,39 @@ def check_mods(
     device: Any,
     mask_mod: Any,
     bias_mod: Any,
+    score_mod: Any,
+    dtype: Any,
     batch_shape: tuple[int, ...],
     L: int,
     S: int,
-) -> tuple[Callable[..., Any] | None, Callable[..., Any] | None]:
-    """Check ``mask_mod`` and ``bias_mod`` for scores of ``(*batch_shape, L, S)``.
+) -> tuple[Callable[..., Any] | None, ...]:
+    """Check ``mask_mod``, ``bias_mod`` and ``score_mod`` for scores of
+    ``(*batch_shape, L, S)`` computed in ``dtype``.
 
     ``batch_shape`` is the broadcast batch shape with the heads axis last (``()`` for 2-D
-    inputs). Returns the two unchanged.
+    inputs). Returns the three unchanged.
     """
     seq, heads = batch_shape[:-1], batch_shape[-1:]
     if isinstance(mask_mod, BlockMask):
         _check_block_mask(mask_mod, math.prod(seq), math.prod(heads), L, S)
-    named = (("mask_mod", mask_mod), ("bias_mod", bias_mod))
-    for name, mod in named:
+    derivative = getattr(score_mod, "derivative", None)
+    named = (("mask_mod", mask_mod), ("bias_mod", bias_mod), ("score_mod", score_mod))
+    for name, mod in (*named, ("score_mod.derivative", derivative)):
         check_mod_callable(name, mod)
-    if isinstance(bias_mod, BlockMask):
-        raise TypeError("bias_mod must be a bias function, got a BlockMask (a mask_mod)")
-    if mask_mod is None and bias_mod is None:
-        return mask_mod, bias_mod
+    for name, mod in named[1:]:
+        if isinstance(mod, BlockMask):
+            kind = name.removesuffix("_mod")
+            raise TypeError(f"{name} must be a {kind} function, got a BlockMask (a mask_mod)")
+    if mask_mod is None and bias_mod is None and score_mod is None:
+        return mask_mod, bias_mod, score_mod
     probe = index_grid(xp, device, (1,) * len(seq), (1,) * len(heads), slice(0, 1), slice(0, 1))
-    for name, mod in named:
+    shape = (1,) * (len(batch_shape) + 2)
+    for name, mod in named[:2]:
         if mod is not None:
-            call_mod(name, mod, probe, (1,) * (len(batch_shape) + 2))
-    return mask_mod, bias_mod
+            call_mod(name, mod, probe, shape)
+    if score_mod is not None:
+        zero = xp.zeros(shape, dtype=dtype, device=device)
+        for name, mod in (("score_mod", score_mod), ("score_mod.derivative", derivative)):
+            if mod is not None:
+                call_mod(name, mod, probe, shape, score=zero)
+    return mask_mod, bias_mod, score_mod

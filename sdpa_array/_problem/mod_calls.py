@@ -1,13 +1,15 @@
-"""Calling a ``mask_mod`` or ``bias_mod`` and checking what it returns, in one place.
+"""Calling a ``mask_mod``, ``bias_mod`` or ``score_mod`` and checking what it returns, in
+one place.
 
 A mod is called as ``mod(batch, head, q_idx, kv_idx)`` with integer arrays of one library
 that broadcast together to the shape of the scores being computed (see
-:mod:`sdpa_array.mods`). :func:`index_grid` builds those arrays for a grid of scores;
-:func:`call_mod` calls the mod and turns every way it can go wrong (it raises, returns
-something that is not an array of that library, of the wrong dtype or of a shape that does
-not broadcast to the scores) into an error that names the argument (``mask_mod`` or
-``bias_mod``) and the mod. The validation, :func:`sdpa_array.create_block_mask` and the
-kernels all call mods through it.
+:mod:`sdpa_array.mods`); a ``score_mod`` (and its ``derivative``) gets the scores first,
+``score_mod(score, batch, head, q_idx, kv_idx)``. :func:`index_grid` builds those arrays
+for a grid of scores; :func:`call_mod` calls the mod and turns every way it can go wrong (it
+raises, returns something that is not an array of that library, of the wrong dtype or of a
+shape that does not broadcast to the scores) into an error that names the argument and the
+mod. The validation, :func:`sdpa_array.create_block_mask` and the kernels all call mods
+through it.
 """
 
 from __future__ import annotations
@@ -25,15 +27,21 @@ from .._arrays.typing import Array
 __all__ = ["MOD_KINDS", "call_mod", "check_mod_callable", "index_grid"]
 
 #: The dtype kind each mod must return (``xp.isdtype`` kinds) and how it is described.
-MOD_KINDS = {"mask_mod": ("bool", "a boolean"), "bias_mod": ("real floating", "a real floating")}
+MOD_KINDS = {
+    "mask_mod": ("bool", "a boolean"),
+    "bias_mod": ("real floating", "a real floating"),
+    "score_mod": ("real floating", "a real floating"),
+    "score_mod.derivative": ("real floating", "a real floating"),
+}
 
 
 def check_mod_callable(name: str, mod: Any) -> None:
     """Raise ``TypeError`` unless ``mod`` is callable (``None`` is accepted: no mod)."""
     if mod is not None and not callable(mod):
+        score = "score, " if name.startswith("score_mod") else ""
         raise TypeError(
-            f"{name} must be a callable {name}(batch, head, q_idx, kv_idx) or None, got "
-            f"{type(mod).__name__} {mod!r}"
+            f"{name} must be a callable {name}({score}batch, head, q_idx, kv_idx) or None, "
+            f"got {type(mod).__name__} {mod!r}"
         )
 
 
@@ -73,10 +81,14 @@ def _describe(mod: Callable[..., Any]) -> str:
 
 
 def call_mod(
-    name: str, mod: Callable[..., Any], indices: tuple[Array, ...], shape: tuple[int, ...]
+    name: str,
+    mod: Callable[..., Any],
+    indices: tuple[Array, ...],
+    shape: tuple[int, ...],
+    score: Array | None = None,
 ) -> Array:
-    """``mod(*indices)``, checked: an array of the indices' library and ``name``'s dtype kind
-    that broadcasts to the scores' ``shape``.
+    """``mod(*indices)`` (``mod(score, *indices)`` for a score function), checked: an array
+    of the indices' library and ``name``'s dtype kind that broadcasts to the scores' ``shape``.
 
     Raises
     ------
@@ -87,7 +99,7 @@ def call_mod(
         The result is not an array of the indices' library, or has the wrong dtype.
     """
     try:
-        result = mod(*indices)
+        result = mod(*indices) if score is None else mod(score, *indices)
     except Exception as exc:
         raise ValueError(f"{name} {_describe(mod)} raised {type(exc).__name__}: {exc}") from exc
     q_idx = indices[2]

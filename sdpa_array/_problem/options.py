@@ -18,14 +18,14 @@ from typing import Any
 import numpy as np
 
 from .._arrays.compat import array_namespace, is_dask_array
-from .._arrays.typing import Alignment, Array, BiasMod, MaskMod
+from .._arrays.typing import Alignment, Array, BiasMod, MaskMod, ScoreMod
 
 __all__ = ["Options", "check_dropout"]
 
 
 @dataclass(frozen=True, eq=False)
 class Options:
-    """The 16 options of an attention call, as given (validation happens once, in
+    """The 17 options of an attention call, as given (validation happens once, in
     :func:`~sdpa_array._problem.problem.validate`, which turns them into a ``Problem``).
 
     Attributes
@@ -36,8 +36,8 @@ class Options:
         Sequences: lengths and packed documents.
     sinks, dropout_p, dropout_seed
         Attention sinks and same-bits dropout.
-    mask_mod, bias_mod
-        Mask and bias functions.
+    mask_mod, bias_mod, score_mod
+        Mask, bias and score functions.
     """
 
     mask: Array | None = None
@@ -56,6 +56,7 @@ class Options:
     dropout_seed: int | Array | None = None
     mask_mod: MaskMod | None = None
     bias_mod: BiasMod | None = None
+    score_mod: ScoreMod | None = None
 
     @classmethod
     def of(cls, options: dict[str, Any], *, where: str) -> Options:

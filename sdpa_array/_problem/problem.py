@@ -75,8 +75,8 @@ class Problem:
         The flat batch index of the call's first batch element in the keep mask's hash (0;
         sequence ``n`` of a packed variable-length call runs with ``n``, so that it draws
         the bits of batch element ``n`` of the padded call).
-    mask_mod, bias_mod : callable or None
-        The caller's mask and bias functions (``mask_mod`` possibly a ``BlockMask``).
+    mask_mod, bias_mod, score_mod : callable or None
+        The caller's mask, bias and score functions (``mask_mod`` possibly a ``BlockMask``).
     on_gpu : bool
         Whether the arrays live on a GPU (CuPy, torch CUDA): tiles are then planned for it
         (:func:`~sdpa_array._kernels.tiling.plans_for_gpu`).
@@ -108,6 +108,7 @@ class Problem:
     dropout_batch_start: int = 0
     mask_mod: Any = None
     bias_mod: Any = None
+    score_mod: Any = None
     on_gpu: bool = False
 
     @property
@@ -136,8 +137,8 @@ class Problem:
 
     @property
     def has_mods(self) -> bool:
-        """Whether a mask or bias function was given."""
-        return self.mask_mod is not None or self.bias_mod is not None
+        """Whether a mask, bias or score function was given."""
+        return any(f is not None for f in (self.mask_mod, self.bias_mod, self.score_mod))
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -437,8 +438,8 @@ def validate(query: Any, key: Any, value: Any, options: Options) -> Problem:
         Inconsistent shapes or out-of-range options (a ``scale`` array's value only where it
         can be read: not on lazy Dask arrays, JAX tracers or GPU arrays); the message names
         both. Also ``dropout_p`` outside ``[0, 1)``, or above 0 without ``dropout_seed``. A
-        ``mask_mod``/``bias_mod`` that is not callable, or that raises or returns a wrong
-        result on a probe index (see :mod:`sdpa_array._problem.mod_args`).
+        ``mask_mod``/``bias_mod``/``score_mod`` that is not callable, or that raises or
+        returns a wrong result on a probe index (see :mod:`sdpa_array._problem.mod_args`).
     """
     o = options
     xp = _namespace(query, key, value, o)
@@ -461,10 +462,9 @@ def validate(query: Any, key: Any, value: Any, options: Options) -> Problem:
     q_lengths = check_lengths("query_lengths", o.query_lengths, limit=L, **common)
     k_lengths = check_lengths("key_lengths", o.key_lengths, limit=S, **common)
     segments = check_segments(o.segment_ids, L=L, S=S, **common)
-    mask_fn, bias_fn = check_mods(xp, dev, o.mask_mod, o.bias_mod, batch, L, S)
-
     dtype = query.dtype
     compute_dtype = dtype if xp.finfo(dtype).bits >= 32 else xp.float32
+    mods = check_mods(xp, dev, o.mask_mod, o.bias_mod, o.score_mod, compute_dtype, batch, L, S)
     offset = 0 if o.alignment == "top_left" else S - L
     left, right = window_bounds(sides, L + S)
     return Problem(
@@ -491,7 +491,8 @@ def validate(query: Any, key: Any, value: Any, options: Options) -> Problem:
         has_sinks=o.sinks is not None,
         dropout_p=drop_p,
         dropout_seed=drop_seed,
-        mask_mod=mask_fn,
-        bias_mod=bias_fn,
+        mask_mod=mods[0],
+        bias_mod=mods[1],
+        score_mod=mods[2],
         on_gpu=on_gpu(query),
     )

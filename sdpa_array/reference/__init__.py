@@ -18,7 +18,8 @@ shape ``(..., Hkv, S, Ev)`` (the heads axis is optional, leading batch axes broa
 ``b`` below is one batch element, ``i`` a query and ``j`` a key.
 
 1. ``z = (Q Kᵀ) * scale`` with ``scale = 1/sqrt(E)`` by default; ``scale`` may be a number
-   or a 0-d array of any library, positive and finite;
+   or a 0-d array of any library, positive and finite; if ``score_mod`` is given,
+   ``z = score_mod(z, b, h, i, j)`` (on float64 NumPy scores and index arrays);
 2. if ``softcap`` is given, ``z = softcap * tanh(z / softcap)``;
 3. if ``bias`` is given, ``z = z + bias``; if ``bias_mod`` is given,
    ``z = z + bias_mod(b, h, i, j)`` (both are added when both are given);

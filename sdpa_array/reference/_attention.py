@@ -35,6 +35,7 @@ def scaled_dot_product_attention(
     dropout_seed: int | None = None,
     mask_mod: Callable[..., Any] | None = None,
     bias_mod: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
     return_max_scores: bool = False,
@@ -108,6 +109,12 @@ def scaled_dot_product_attention(
         as float64), called like ``mask_mod`` and added where ``bias`` is (after
         ``softcap``, before the masks; with ``bias`` too, both are added); ``-inf``
         excludes a key.
+    score_mod : callable, optional
+        ``score_mod(score, batch, head, q_idx, kv_idx)`` returns the new scores: called once
+        with the float64 NumPy scaled scores ``scale · q·k`` (shape ``(..., Hq, L, S)``)
+        and NumPy index arrays shaped as for ``mask_mod``, before ``softcap``, ``bias`` and
+        ``bias_mod``. Its ``derivative`` method, of the same arguments, is what the VJP
+        multiplies by.
     return_weights : bool, default False
         Also return the attention weights (after dropout), shape ``(..., Hq, L, S)``.
     return_lse : bool, default False
@@ -115,7 +122,8 @@ def scaled_dot_product_attention(
     return_max_scores : bool, default False
         Also return, per batch element and query head (shape ``(..., Hq)``), the largest
         ``scale * q . k`` over the pairs that ``mask``, ``mask_mod``, causal, window,
-        lengths and segments admit: before ``softcap``, ``bias`` and ``bias_mod`` (a
+        lengths and segments admit: before ``score_mod``, ``softcap``, ``bias`` and
+        ``bias_mod`` (a
         ``-inf`` bias does not restrict it) and dropout; ``-inf`` where no pair is admitted.
     layout : {"BHLE", "BLHE"}, default "BHLE"
         ``"BLHE"``: ``query``, ``key``, ``value`` and the output are ``(..., L, H, E)``
@@ -204,6 +212,7 @@ def scaled_dot_product_attention(
         dropout_seed=dropout_seed,
         mask_mod=mask_mod,
         bias_mod=bias_mod,
+        score_mod=score_mod,
     )
     fwd = forward_pass(prep, is_causal, window, alignment, softcap)
     out = heads_back(layout, fwd["out"])
@@ -241,17 +250,19 @@ def intermediates(
     dropout_seed: int | None = None,
     mask_mod: Callable[..., Any] | None = None,
     bias_mod: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
 ) -> dict[str, Any]:
     """Every intermediate of the oracle's forward pass, in float64, for error analysis.
 
     Takes the arguments of :func:`scaled_dot_product_attention` (``scale`` as a number or a
-    0-d array, ``query_lengths``, ``key_lengths``, ``segment_ids``, ``mask_mod`` and
-    ``bias_mod`` included) and returns a dict with ``q``, ``k_rep`` and ``v_rep`` (keys
-    and values with one head per query head), ``group`` (query heads per key/value head),
-    the resolved ``scale`` (a float), ``raw`` (scaled scores before the soft-cap, ``bias``
-    and ``bias_mod``), ``z`` (final scores, ``-inf`` where excluded), ``allowed``
-    (boolean, the scores' shape, every restriction included), ``weights``, ``out`` and
-    ``lse``. :mod:`sdpa_array.testing` derives the gradients' error bounds from them.
+    0-d array, ``query_lengths``, ``key_lengths``, ``segment_ids`` and the mods included)
+    and returns a dict with ``q``, ``k_rep`` and ``v_rep`` (keys and values with one head
+    per query head), ``group`` (query heads per key/value head), the resolved ``scale`` (a
+    float), ``raw`` (scaled scores before ``score_mod``, the soft-cap, ``bias`` and
+    ``bias_mod``), ``modded`` (``score_mod`` of ``raw``, or ``raw``), ``z`` (final
+    scores, ``-inf`` where excluded), ``allowed`` (boolean, the scores' shape, every
+    restriction included), ``weights``, ``out`` and ``lse``. :mod:`sdpa_array.testing`
+    derives the gradients' error bounds from them.
     """
     prep = validate_and_prepare(
         query,
@@ -272,6 +283,7 @@ def intermediates(
         dropout_seed=dropout_seed,
         mask_mod=mask_mod,
         bias_mod=bias_mod,
+        score_mod=score_mod,
     )
     fwd = forward_pass(prep, is_causal, window, alignment, softcap)
     keep = ("q", "k_rep", "v_rep", "group", "scale")

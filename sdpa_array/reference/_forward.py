@@ -12,10 +12,10 @@ import numpy as np
 
 from ._convert import as_float64, to_numpy
 from ._dropout import keep_mask
-from ._mods import check_mods, evaluate_mod, index_grids
+from ._mods import check_mods, evaluate_mod, evaluate_score, index_grids
 from ._restrictions import allowed_by_index, as_lengths, as_segments, resolve_scale
 
-__all__ = ["ALIGNMENTS", "forward_pass", "validate_and_prepare"]
+__all__ = ["ALIGNMENTS", "forward_pass", "score_derivative", "validate_and_prepare"]
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -40,6 +40,7 @@ def validate_and_prepare(
     dropout_seed: int | None = None,
     mask_mod: Any = None,
     bias_mod: Any = None,
+    score_mod: Any = None,
 ) -> dict[str, Any]:
     """Convert the inputs, check their shapes and expand GQA heads.
 
@@ -52,9 +53,10 @@ def validate_and_prepare(
     of segment id arrays broadcast to ``batch + (L,)`` and ``batch + (S,)``), ``sinks``
     (float64 broadcast to ``(..., Hq)`` or ``None``) with ``sinks_shape`` (its own shape),
     ``dropout_p`` and ``dropout_seed``, and ``mask_mod`` / ``bias_mod``: ``None`` or the
-    mod's result broadcast to the scores' shape (boolean / float64; see ``_mods``).
+    mod's result broadcast to the scores' shape (boolean / float64; see ``_mods``), and
+    ``score_mod`` (the function, or ``None``) with ``score_grids``, NumPy index arrays.
     """
-    check_mods(mask_mod, bias_mod)
+    check_mods(mask_mod, bias_mod, score_mod)
     q = as_float64(query)
     k = as_float64(key)
     v = as_float64(value)
@@ -115,6 +117,8 @@ def validate_and_prepare(
         # a seed given as a 0-d array of any library counts by its value
         "dropout_seed": None if dropout_seed is None else int(to_numpy(dropout_seed)),
         **mods,
+        "score_mod": score_mod,
+        "score_grids": None if score_mod is None else index_grids(q, lead, L, S),
     }
 
 
@@ -198,7 +202,10 @@ def forward_pass(
     lead = np.broadcast_shapes(q.shape[:-2], k_rep.shape[:-2], v_rep.shape[:-2])
     raw = np.matmul(q, np.swapaxes(k_rep, -1, -2)) * scale
     raw = np.broadcast_to(raw, (*lead, L, S))  # (..., Hq, L, S)
-    scores = softcap * np.tanh(raw / softcap) if softcap is not None else raw
+    modded = raw
+    if prep["score_mod"] is not None:  # after the scale, before the softcap
+        modded = evaluate_score("score_mod", prep["score_mod"], raw, prep["score_grids"])
+    scores = softcap * np.tanh(modded / softcap) if softcap is not None else modded
     if prep["bias"] is not None:
         # Must broadcast *to* the scores' shape (it may not add batch axes).
         scores = scores + np.broadcast_to(prep["bias"], scores.shape)
@@ -261,6 +268,7 @@ def forward_pass(
 
     return {
         "raw": raw,
+        "modded": modded,
         "z": z[..., :S],
         "allowed": allowed[..., :S],
         "has_key": np.any(allowed[..., :S], axis=-1),
@@ -273,3 +281,22 @@ def forward_pass(
         "lse": lse,
         "max_scores": max_scores,
     }
+
+
+def score_derivative(prep: dict[str, Any], raw: np.ndarray) -> np.ndarray:
+    """``score_mod.derivative(raw, ...)``: what the VJP multiplies by through ``score_mod``.
+
+    Raises
+    ------
+    TypeError
+        If ``score_mod`` has no ``derivative`` method (the oracle differentiates nothing
+        itself).
+    """
+    fn = prep["score_mod"]
+    derivative = getattr(fn, "derivative", None)
+    if not callable(derivative):
+        raise TypeError(
+            "the reference VJP needs score_mod's derivative: give score_mod as "
+            "sdpa_array.mods.score_function(score_mod, derivative)"
+        )
+    return evaluate_score("score_mod.derivative", derivative, raw, prep["score_grids"])

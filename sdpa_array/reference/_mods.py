@@ -17,6 +17,10 @@ Here ``batch`` is the oracle's batch shape (the broadcast leading axes of ``quer
 heads, with GQA). The result is read with :func:`to_numpy`, checked (boolean for
 ``mask_mod``, real floating for ``bias_mod``, read as float64; its shape must broadcast to
 the scores' shape) and broadcast to the scores' shape.
+
+``score_mod(score, batch, head, q_idx, kv_idx)`` (and its ``derivative`` method) is called
+once too (:func:`evaluate_score`), with the float64 NumPy scaled scores and NumPy index
+arrays of the same shapes: the oracle computes on the host, whatever the inputs' library.
 """
 
 from __future__ import annotations
@@ -30,17 +34,49 @@ import numpy as np
 
 from ._convert import to_numpy
 
-__all__ = ["check_mods", "evaluate_mod", "index_grids"]
+__all__ = ["check_mods", "evaluate_mod", "evaluate_score", "index_grids"]
 
 
-def check_mods(mask_mod: Any, bias_mod: Any) -> None:
+def check_mods(mask_mod: Any, bias_mod: Any, score_mod: Any = None) -> None:
     """``TypeError`` if a mod is given but is not callable."""
-    for name, fn in (("mask_mod", mask_mod), ("bias_mod", bias_mod)):
+    for name, fn in (("mask_mod", mask_mod), ("bias_mod", bias_mod), ("score_mod", score_mod)):
         if fn is not None and not callable(fn):
+            score = "score, " if name == "score_mod" else ""
             raise TypeError(
-                f"{name} must be callable as {name}(batch, head, q_idx, kv_idx), "
+                f"{name} must be callable as {name}({score}batch, head, q_idx, kv_idx), "
                 f"got {type(fn).__name__}"
             )
+
+
+def evaluate_score(
+    name: str, fn: Callable[..., Any], score: np.ndarray, grids: tuple[Any, ...]
+) -> np.ndarray:
+    """``fn(score, *grids)`` (``score_mod`` or its derivative, named by ``name``) as float64
+    of the scores' shape.
+
+    Raises
+    ------
+    ValueError
+        If it raises (chained), or returns a shape that does not broadcast to the scores'.
+    TypeError
+        If it returns something that is not a real floating NumPy array.
+    """
+    try:
+        result = fn(score, *grids)
+    except Exception as exc:
+        raise ValueError(f"{name} raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(result, np.ndarray) or result.dtype.kind != "f":
+        raise TypeError(
+            f"{name} must return a real floating NumPy array for NumPy scores, got "
+            f"{type(result).__name__} {getattr(result, 'dtype', '')}"
+        )
+    try:
+        return np.broadcast_to(result.astype(np.float64), score.shape)
+    except ValueError:
+        raise ValueError(
+            f"{name} returned shape {result.shape}, which does not broadcast to the scores' "
+            f"shape {score.shape}"
+        ) from None
 
 
 def index_grids(query: Any, lead: tuple[int, ...], L: int, S: int) -> tuple[Any, ...]:

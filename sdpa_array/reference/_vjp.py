@@ -9,7 +9,7 @@ import numpy as np
 
 from ._adjoints import sum_to_shape, unrepeat_heads
 from ._convert import as_float64
-from ._forward import forward_pass, validate_and_prepare
+from ._forward import forward_pass, score_derivative, validate_and_prepare
 from ._layout import heads_back, heads_first
 
 __all__ = ["scaled_dot_product_attention_vjp"]
@@ -38,6 +38,7 @@ def scaled_dot_product_attention_vjp(
     dropout_seed: int | None = None,
     mask_mod: Callable[..., Any] | None = None,
     bias_mod: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
     layout: str = "BHLE",
 ) -> tuple[np.ndarray, ...]:
     """Reference vector-Jacobian product of :func:`scaled_dot_product_attention`.
@@ -97,8 +98,9 @@ def scaled_dot_product_attention_vjp(
     * for each query row, ``dZ_row = J dP_row`` with the softmax Jacobian
       ``J = diag(p) - p pᵀ`` (formed explicitly, shape ``(..., L, S, S)``); excluded keys
       and rows without an admissible key get zero;
-    * ``dBias = dZ`` (``bias_mod`` gets none); through the softcap the scaled scores get
-      ``dZ * (1 - tanh²(raw / softcap))``;
+    * ``dBias = dZ`` (``bias_mod`` gets none); through the softcap the scores get
+      ``dZ * (1 - tanh²(modded / softcap))``, and through ``score_mod`` the scaled scores
+      ``raw`` that times ``score_mod.derivative(raw, ...)`` (a ``TypeError`` without one);
     * ``dQ = scale * dRaw K`` and ``dK = scale * dRawᵀ Q``;
     * ``dScale = sum(dRaw * (Q Kᵀ))`` over every batch entry, head, query and key (with
       GQA, ``Q`` against the repeated keys).
@@ -150,6 +152,7 @@ def scaled_dot_product_attention_vjp(
         dropout_seed=dropout_seed,
         mask_mod=mask_mod,
         bias_mod=bias_mod,
+        score_mod=score_mod,
     )
     fwd = forward_pass(prep, is_causal, window, alignment, softcap)
     q, k_rep, v_rep = prep["q"], prep["k_rep"], prep["v_rep"]
@@ -178,10 +181,12 @@ def scaled_dot_product_attention_vjp(
     # Excluded keys have p = 0 so J already vanishes there; make it explicit (and exact).
     d_Z = np.where(fwd["allowed"], d_Z_all[..., :S], 0.0)
 
-    # Z = softcap(raw) + bias; softcap'(raw) = 1 - tanh²(raw / softcap).
+    # Z = softcap(score_mod(raw)) + bias; softcap'(m) = 1 - tanh²(m / softcap).
     d_raw = d_Z
     if softcap is not None:
-        d_raw = d_Z * (1.0 - np.tanh(fwd["raw"] / softcap) ** 2)
+        d_raw = d_Z * (1.0 - np.tanh(fwd["modded"] / softcap) ** 2)
+    if prep["score_mod"] is not None:
+        d_raw = d_raw * score_derivative(prep, fwd["raw"])
 
     # raw = scale * Q @ Kᵀ
     scale_ = prep["scale"]

@@ -20,6 +20,7 @@ from .bounds import (
     dtype_name,
     lse_bound,
     mod_bias_extent,
+    mod_score_derivative,
     output_bound,
     scale_is_array,
     score_error,
@@ -239,7 +240,13 @@ def forward_oracle_and_bounds(
     scale = (1.0 / np.sqrt(E) if E else 1.0) if given is None else float(_host(given))
     S = k64.shape[-2]
     extent = mod_bias_extent(options.get("bias_mod"), ref_w.shape)
-    ds = score_error(dtype, q64, k64, scale, bias, options.get("softcap"), extent)
+    mod = None
+    if options.get("score_mod") is not None:
+        fwd = reference.intermediates(q64, k64, v64, mask=mask, bias=bias, **options)
+        slope = np.abs(mod_score_derivative(options["score_mod"], fwd["raw"]))
+        modded = np.abs(fwd["modded"][np.isfinite(fwd["modded"])])
+        mod = (float(np.max(slope, initial=0.0)), float(np.max(modded, initial=0.0)))
+    ds = score_error(dtype, q64, k64, scale, bias, options.get("softcap"), extent, score_mod=mod)
     # A sink is one more term of each row's softmax (rounded once to the compute dtype);
     # dropout multiplies kept weights by 1 / (1 - p), so the output's magnitudes grow by it.
     sinks = options.get("sinks")

@@ -9,7 +9,10 @@ compute dtype (float32 for float16/bfloat16 inputs) and ``u_o`` of the output dt
   + 2 u_c * max|bias| + 3 u_c * max|bias_mod| (+ 4 u_c * softcap)``, the standard
   ``gamma_E`` bound for a dot product of length ``E``; a bias is rounded to the compute
   dtype and added (``2 u_c``), a ``bias_mod``'s value may also be computed in it (a
-  rounded factor times an exact index difference, ``+ u_c``);
+  rounded factor times an exact index difference, ``+ u_c``); a ``score_mod`` ``f``, applied
+  to the scaled product before the rest, multiplies the product's error by at most
+  ``max |f'|`` (first order, over the oracle's scores) and adds its own arithmetic,
+  :data:`SCORE_MOD_ROUNDINGS` ``u_c * max |f|``;
 * the softmax maps a score perturbation ``ds`` to a relative weight perturbation of at most
   ``2 max|ds|``, and ``exp``, the row sum of length ``S`` and the division add ``(S + 4) u_c``;
 * the output ``sum_j p_j v_j`` is a convex combination: its error is at most
@@ -42,16 +45,18 @@ from typing import Any
 
 import numpy as np
 
-from ..reference._mods import evaluate_mod, index_grids
+from ..reference._mods import evaluate_mod, evaluate_score, index_grids
 
 __all__ = [
     "EXP2_ERROR",
+    "SCORE_MOD_ROUNDINGS",
     "UNIT_ROUNDOFF",
     "base2_terms",
     "compute_dtype",
     "dtype_name",
     "lse_bound",
     "mod_bias_extent",
+    "mod_score_derivative",
     "operand_rounding",
     "output_bound",
     "scale_is_array",
@@ -117,6 +122,13 @@ def compute_dtype(dtype: str) -> str:
 #: is within 2 ulp (``4 u``) of ``2**x``, ``lg2.approx.f32`` within ``2**-22``; correctly
 #: rounded functions (NumPy, the interpreter) are within ``1 u``.
 EXP2_ERROR = 4
+
+#: The rounding of a ``score_mod``'s own arithmetic in the compute dtype, in units of ``u_c``
+#: times its largest value: a few operations, each correctly rounded or, for ``tanh``
+#: and ``exp``, within one more ulp (the ready-made score functions of
+#: :mod:`sdpa_array.mods` take at most three: a division, a ``tanh`` and a product). A
+#: function with longer arithmetic needs a larger bound than these helpers derive.
+SCORE_MOD_ROUNDINGS = 4
 
 
 def operand_rounding(dtype: str) -> tuple[float, float]:
@@ -184,6 +196,7 @@ def score_error(
     bias_mod_max: float = 0.0,
     *,
     base2: bool = False,
+    score_mod: tuple[float, float] | None = None,
 ) -> float:
     """Worst-case absolute error of one final score (see the module docstring).
 
@@ -212,6 +225,9 @@ def score_error(
         Largest finite ``|bias_mod|`` over the scores (0 without a ``bias_mod``).
     base2 : bool, default False
         Add the terms of a kernel that exponentiates in base 2 (see above).
+    score_mod : tuple of float, optional
+        ``(max |f'|, max |f|)`` of the call's ``score_mod`` ``f`` over the oracle's scaled
+        scores (:func:`mod_score_derivative` gives ``f'``).
 
     Returns
     -------
@@ -232,6 +248,8 @@ def score_error(
         else:
             qk = float(np.max(qa, axis=0) @ np.max(ka, axis=0))
     err = (E + 2) * u * scale * qk
+    if score_mod is not None:
+        err = score_mod[0] * err + SCORE_MOD_ROUNDINGS * u * score_mod[1]
     if bias is not None:
         b = np.asarray(bias, dtype=np.float64)
         finite = b[np.isfinite(b)]
@@ -244,7 +262,8 @@ def score_error(
             finite_b = np.abs(np.asarray(bias, dtype=np.float64))
             finite_b = finite_b[np.isfinite(finite_b)]
             b_max = float(np.max(finite_b)) if finite_b.size else 0.0
-        s_max = (softcap if softcap is not None else scale * qk) + b_max + bias_mod_max
+        product = scale * qk if score_mod is None else score_mod[1]
+        s_max = (softcap if softcap is not None else product) + b_max + bias_mod_max
         err += 2 * u * s_max
         if softcap is not None:
             err += base2_terms(dtype, S=0, lse_max=0.0)["softcap"] * softcap
@@ -263,6 +282,24 @@ def mod_bias_extent(bias_mod: Any, score_shape: tuple[int, ...]) -> float:
     values = evaluate_mod("bias_mod", bias_mod, grids, shape)
     finite = np.abs(values[np.isfinite(values)])
     return float(np.max(finite)) if finite.size else 0.0
+
+
+def mod_score_derivative(score_mod: Any, raw: np.ndarray) -> np.ndarray:
+    """``score_mod'(raw)`` for the oracle's scaled scores ``raw`` (``(..., Hq, L, S)``),
+    from the function's ``derivative`` method, evaluated by the oracle's own code.
+
+    Raises
+    ------
+    TypeError
+        If ``score_mod`` has no ``derivative`` method: the bounds need it (give the
+        function to the implementation alone, and :func:`sdpa_array.mods.score_function`
+        of it to the oracle, to check an implementation's autodiff).
+    """
+    derivative = getattr(score_mod, "derivative", None)
+    if not callable(derivative):
+        raise TypeError("the bounds of a score_mod need its derivative method")
+    grids = index_grids(np.empty(0), raw.shape[:-2], *raw.shape[-2:])
+    return np.asarray(evaluate_score("score_mod.derivative", derivative, raw, grids))
 
 
 def output_bound(

@@ -10,11 +10,13 @@ import numpy as np
 
 from .. import reference
 from .bounds import (
+    SCORE_MOD_ROUNDINGS,
     UNIT_ROUNDOFF,
     base2_terms,
     compute_dtype,
     dtype_name,
     mod_bias_extent,
+    mod_score_derivative,
     operand_rounding,
     scale_is_array,
     score_error,
@@ -61,6 +63,12 @@ def vjp_oracle_and_bounds(
       of ``x`` is ``ds / softcap + u |x|``, and ``|d(1 - t²)/dx| <= 2``, so
       ``e_S = e_Z (1 - t²) + P R (2 (ds / softcap + u |x|) + 4 u)``. Without it
       ``e_S = e_Z``.
+    * ``score_mod`` ``f`` (``x`` above is then ``f(raw) / softcap``): ``dRaw = dS f'(raw)``,
+      with ``f'`` evaluated at a score off by at most ``e_0``, the product's own error
+      (:func:`score_error` without the other terms), and rounded (``SCORE_MOD_ROUNDINGS u``):
+      ``e_S`` becomes ``e_S |f'| + |dS| (Δ + SCORE_MOD_ROUNDINGS u |f'|)`` with
+      ``Δ = max_± |f'(raw ± e_0) - f'(raw)|`` element-wise (first order, as the rest), and
+      ``|dS|`` becomes ``|dS| |f'|``.
     * ``dQ = scale dS K``, ``dK = scale dSᵀ Q``, ``dV = Pᵀ dO``, ``dBias = dZ``: the propagated
       errors ``scale e_S |K|``, ``scale e_Sᵀ |Q|``, ``e_Pᵀ |dO|`` and ``e_Z``, plus the
       rounding of sums of ``n`` terms, ``(n + 3) u`` times the same products of magnitudes
@@ -164,7 +172,13 @@ def vjp_oracle_and_bounds(
     finite_lse = fwd["lse"][np.isfinite(fwd["lse"])]
     lse_max = float(np.max(np.abs(finite_lse))) if finite_lse.size else 0.0
     extent = mod_bias_extent(options.get("bias_mod"), P.shape)
-    ds = score_error(dtype, q, k, scale, bias, softcap, extent, base2=base2)
+    score_mod = options.get("score_mod")
+    slope = None if score_mod is None else np.abs(mod_score_derivative(score_mod, fwd["raw"]))
+    mod = None
+    if slope is not None:
+        modded = np.abs(fwd["modded"][np.isfinite(fwd["modded"])])
+        mod = (float(np.max(slope, initial=0.0)), float(np.max(modded, initial=0.0)))
+    ds = score_error(dtype, q, k, scale, bias, softcap, extent, base2=base2, score_mod=mod)
     eps = 3 * ds + (2 * S + 10) * u + 2 * u * lse_max
     if base2:
         eps += base2_terms(dtype, S=S, lse_max=lse_max)["weights"]
@@ -191,12 +205,16 @@ def vjp_oracle_and_bounds(
     e_Z = e_P * R + P * ((Ev + 2) * u * A + e_D) + 2 * u * P * R
     Z_abs = P * R
     if softcap is not None:
-        x = np.abs(fwd["raw"]) / softcap
+        x = np.abs(fwd["modded"]) / softcap
         c = 1.0 - np.tanh(x) ** 2
         e_S = e_Z * c + Z_abs * (2 * (ds / softcap + u * x) + 4 * u)
         S_abs = Z_abs * c
     else:
         e_S, S_abs = e_Z, Z_abs
+    if slope is not None:
+        shift = _slope_shift(score_mod, fwd["raw"], score_error(dtype, q, k, scale))
+        e_S = e_S * slope + S_abs * (shift + SCORE_MOD_ROUNDINGS * u * slope)
+        S_abs = S_abs * slope
     K, Q = np.abs(prep["k_rep"]), np.abs(prep["q"])
     T = np.swapaxes
     e_S_products, e_PM = e_S, e_P * keep
@@ -260,7 +278,9 @@ def _add_lse_cotangent(
     softcap = options.get("softcap")
     scale = fwd["scale"]
     d_z = fwd["weights"] * h
-    d_s = d_z if softcap is None else d_z * (1.0 - np.tanh(fwd["raw"] / softcap) ** 2)
+    d_s = d_z if softcap is None else d_z * (1.0 - np.tanh(fwd["modded"] / softcap) ** 2)
+    if options.get("score_mod") is not None:
+        d_s = d_s * mod_score_derivative(options["score_mod"], fwd["raw"])
     d_q = scale * np.matmul(d_s, fwd["k_rep"])
     d_k = reference.unrepeat_heads(
         scale * np.matmul(np.swapaxes(d_s, -1, -2), fwd["q"]), fwd["group"]
@@ -278,3 +298,10 @@ def _add_lse_cotangent(
     if d_scale is not None:
         d_scale = d_scale + np.sum(d_s * fwd["raw"]) / scale
     return out, d_sinks, d_scale
+
+
+def _slope_shift(score_mod: Any, raw: np.ndarray, e0: float) -> np.ndarray:
+    """``max_± |f'(raw ± e0) - f'(raw)|`` element-wise, ``f`` the ``score_mod``."""
+    here = mod_score_derivative(score_mod, raw)
+    shifts = [np.abs(mod_score_derivative(score_mod, raw + sign * e0) - here) for sign in (1, -1)]
+    return np.asarray(np.maximum(*shifts))

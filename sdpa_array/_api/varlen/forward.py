@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..._arrays.compat import array_namespace, device
-from ..._arrays.typing import Alignment, Array, BiasMod, MaskMod
+from ..._arrays.typing import Alignment, Array, BiasMod, MaskMod, ScoreMod
 from ..._problem.options import Options
 from ..._problem.outputs import Outputs
 from ..._problem.packed import check_packed
@@ -49,6 +49,7 @@ def scaled_dot_product_attention_varlen(
     dropout_seed: int | Array | None = None,
     mask_mod: MaskMod | None = None,
     bias_mod: BiasMod | None = None,
+    score_mod: ScoreMod | None = None,
     return_lse: bool = False,
     return_max_scores: bool = False,
     implementation: str = "auto",
@@ -95,6 +96,9 @@ def scaled_dot_product_attention_varlen(
         Functions of ``(batch, head, q_idx, kv_idx)`` with ``batch`` the sequence index and
         the positions counted within the sequence (a :class:`~sdpa_array.BlockMask` is made
         for one size and is refused: pass its function).
+    score_mod : callable, optional
+        A function of ``(score, batch, head, q_idx, kv_idx)``, the indices as for
+        ``mask_mod``; its gradient as in :func:`scaled_dot_product_attention`.
     return_lse : bool, default False
         Also return the log-sum-exp of each query's scores, shape ``(Hq, total_q)`` (as
         FlashAttention's varlen functions), in the compute dtype.
@@ -155,6 +159,7 @@ def scaled_dot_product_attention_varlen(
         dropout_seed=dropout_seed,
         mask_mod=mask_mod,
         bias_mod=bias_mod,
+        score_mod=score_mod,
     )
     outputs = Outputs.of(False, return_lse, return_max_scores)
     calls = sequences(query, key, value, packed, options)

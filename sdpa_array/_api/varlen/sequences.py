@@ -4,8 +4,9 @@ A packed call (:mod:`sdpa_array._api.varlen`) is split by its offsets
 (:func:`~sdpa_array._problem.packed.check_packed`) into ``N`` sequences; :func:`sequences`
 validates every one as a heads-first call before any of them runs. Sequence ``n`` is batch
 element ``n`` of the padded call: its problem's ``dropout_batch_start`` is ``n`` (the same
-dropout bits) and its mask and bias functions are called with ``batch + n``
-(:class:`ShiftedMod`), positions counting from the sequence's start.
+dropout bits) and its mask, bias and score functions are called with ``batch + n``
+(:class:`ShiftedMod`, :class:`ShiftedScoreMod`), positions counting from the sequence's
+start.
 """
 
 from __future__ import annotations
@@ -21,12 +22,20 @@ from ..._problem.packed import Packed
 from ..._problem.problem import Problem, validate
 from ..layout import swap_heads_and_length
 
-__all__ = ["OPTION_NAMES", "Sequence", "ShiftedMod", "keywords_of", "sequences", "static_offsets"]
+__all__ = [
+    "OPTION_NAMES",
+    "Sequence",
+    "ShiftedMod",
+    "ShiftedScoreMod",
+    "keywords_of",
+    "sequences",
+    "static_offsets",
+]
 
 #: The options of :func:`scaled_dot_product_attention` that a packed call takes.
 OPTION_NAMES = (
     "is_causal", "window", "alignment", "scale", "softcap", "enable_gqa", "sinks",
-    "dropout_p", "dropout_seed", "mask_mod", "bias_mod",
+    "dropout_p", "dropout_seed", "mask_mod", "bias_mod", "score_mod",
 )  # fmt: skip
 
 
@@ -57,11 +66,34 @@ class ShiftedMod(NamedMod):
         raise AttributeError(name)
 
 
-def shifted(mod: Any, start: int) -> Any:
-    """``mod`` for sequence ``start`` (itself for the first sequence, or without a mod)."""
+@dataclass(frozen=True, repr=False)
+class ShiftedScoreMod(NamedMod):
+    """A ``score_mod`` (and its ``derivative``, where it has one) called with
+    ``batch + start``, as :class:`ShiftedMod`."""
+
+    factory = "shifted"
+    mod: Any
+    start: int
+
+    def arguments(self) -> str:
+        return f"{self.mod!r}, start={self.start}"
+
+    def __call__(self, score: Any, batch: Any, head: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return self.mod(score, batch + self.start, head, q_idx, kv_idx)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "derivative" and hasattr(self.mod, "derivative"):
+            slope = self.mod.derivative
+            return lambda score, batch, *rest: slope(score, batch + self.start, *rest)
+        raise AttributeError(name)
+
+
+def shifted(mod: Any, start: int, *, score: bool = False) -> Any:
+    """``mod`` for sequence ``start`` (itself for the first sequence, or without a mod);
+    ``score``: a score function."""
     if mod is None or start == 0:
         return mod
-    return ShiftedMod(mod, start)
+    return ShiftedScoreMod(mod, start) if score else ShiftedMod(mod, start)
 
 
 def check_mods(mask_mod: Any) -> None:
@@ -103,7 +135,9 @@ def sequences(
         keys = packed.keys(n) if packed.count else slice(0, 0)
         q, k, v = swap_heads_and_length(query[rows, ...], key[keys, ...], value[keys, ...])
         mine = options.replace(
-            mask_mod=shifted(options.mask_mod, n), bias_mod=shifted(options.bias_mod, n)
+            mask_mod=shifted(options.mask_mod, n),
+            bias_mod=shifted(options.bias_mod, n),
+            score_mod=shifted(options.score_mod, n, score=True),
         )
         problem = replace(validate(q, k, v, mine), dropout_batch_start=n)
         out.append(Sequence(q, k, v, mine, problem))

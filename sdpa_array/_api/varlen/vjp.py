@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..._arrays.compat import array_namespace
-from ..._arrays.typing import Alignment, Array, BiasMod, MaskMod
+from ..._arrays.typing import Alignment, Array, BiasMod, MaskMod, ScoreMod
 from ..._kernels.result import zero_gradients
 from ..._problem.options import Options
 from ..._problem.packed import check_packed
@@ -44,6 +44,7 @@ def scaled_dot_product_attention_varlen_vjp(
     dropout_seed: int | Array | None = None,
     mask_mod: MaskMod | None = None,
     bias_mod: BiasMod | None = None,
+    score_mod: ScoreMod | None = None,
     implementation: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -66,6 +67,8 @@ def scaled_dot_product_attention_varlen_vjp(
         As for the forward (the same seed regenerates the same keep mask).
     mask_mod, bias_mod
         As for the forward; they have no gradient.
+    score_mod
+        As for the forward: the gradients pass through its derivative.
     implementation, block_q, block_k
         As for :func:`scaled_dot_product_attention_vjp`, for every sequence.
 
@@ -108,6 +111,7 @@ def scaled_dot_product_attention_varlen_vjp(
         dropout_seed=dropout_seed,
         mask_mod=mask_mod,
         bias_mod=bias_mod,
+        score_mod=score_mod,
     )
     first = sequences(query, key, value, packed, options, limit=1)[0]  # the options checked
     p = first.problem

@@ -138,7 +138,7 @@ def common_checks(p: Problem, req: Request) -> None:
         (p.softcap is not None, "no native kernel applies a softcap"),
         (p.has_sinks, "no native kernel adds attention sinks"),
         (p.dropout_p > 0, "native dropout does not draw dropout_keep_mask's bits"),
-        (p.has_mods, "mask_mod/bias_mod are not delegated (see docs: implementations)"),
+        (p.has_mods, "mask_mod/bias_mod/score_mod are not delegated (see docs: implementations)"),
         (p.E == 0, "E == 0 (empty feature axis)"),
         (
             p.scale_is_array and kernel_dtype(p) != p.compute_dtype,

@@ -68,9 +68,10 @@ def plan_triton(p: Problem, x: Inputs) -> None:
         With the reason: triton is not installed (or does not import); the arrays are not
         torch tensors or CuPy arrays; they are not on a CUDA device (under
         ``TRITON_INTERPRET=1``: not CPU torch tensors); float64 inputs (the kernels compute
-        in float32); a ``mask_mod`` or ``bias_mod`` (arbitrary Python functions: the generic
-        kernels evaluate them); a head dim of 0 or above :data:`MAX_HEAD_DIM`; tensors that
-        ``torch.func`` transforms wrap (``vmap``, ``grad``). Triton itself
+        in float32); a ``mask_mod``, ``bias_mod`` or ``score_mod`` (arbitrary Python
+        functions: the generic kernels evaluate them); a head dim of 0 or above
+        :data:`MAX_HEAD_DIM`; tensors that ``torch.func`` transforms wrap (``vmap``,
+        ``grad``). Triton itself
         is imported only for a call that passes every other check.
     """
     if importlib.util.find_spec("triton") is None:
@@ -98,7 +99,13 @@ def plan_triton(p: Problem, x: Inputs) -> None:
         )
     if p.has_mods:
         given = " and ".join(
-            name for name, f in (("mask_mod", p.mask_mod), ("bias_mod", p.bias_mod)) if f
+            name
+            for name, f in (
+                ("mask_mod", p.mask_mod),
+                ("bias_mod", p.bias_mod),
+                ("score_mod", p.score_mod),
+            )
+            if f
         )
         raise CannotUseTritonError(
             f"{given} is an arbitrary Python function, which the Triton kernels cannot "
