@@ -599,6 +599,8 @@ def test_plan_refuses_what_the_kernels_cannot_compute(
         return s * 2.0
 
     assert "score_mod" in _refusal(Call(triton_backend, "float32", base, {"score_mod": score}))
+    left = {"key_lengths": 4, "padding_side": "left"}
+    assert "padding_side='left'" in _refusal(Call(triton_backend, "float32", base, left))
     wide = _with_grad(_qkv(rng, (1, 1, 4, 300), (1, 1, 4, 300)), rng)
     assert "300" in _refusal(Call(triton_backend, "float32", wide, {}))
     numpy_call = Call(get_backend("numpy"), "float32", base, {})

@@ -19,6 +19,7 @@ from .._arrays.typing import (
     ImplementationName,
     Layout,
     MaskMod,
+    PaddingSide,
     ScoreMod,
 )
 from .._problem.options import Options
@@ -136,6 +137,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     query_lengths: int | Array | None = None,
     key_lengths: int | Array | None = None,
+    padding_side: PaddingSide = "right",
     segment_ids: tuple[Array, Array] | None = None,
     sinks: Array | None = None,
     dropout_p: float = 0.0,
@@ -203,6 +205,12 @@ def scaled_dot_product_attention(
         be read; on lazy Dask arrays and JAX tracers they are clipped instead. Where the
         values are on the host (ints, NumPy, CPU arrays) the blocked path skips the tiles
         they exclude.
+    padding_side : {"right", "left"}, default "right"
+        Where the lengths' padding sits. ``"left"`` (batched generation's padding): the
+        valid tokens are the last ``query_lengths[b]`` queries and ``key_lengths[b]`` keys
+        of each row, and causal and window positions count from each row's first valid
+        token (query ``i``'s diagonal is key ``i + (S - key_lengths[b]) - (L -
+        query_lengths[b])`` top left, ``i + S - L`` bottom right).
     segment_ids : (array, array), optional
         ``(query_segments, key_segments)``: integer arrays broadcastable to
         ``batch + (L,)`` and ``batch + (S,)`` (``batch`` without the heads axis). Query
@@ -373,6 +381,7 @@ def scaled_dot_product_attention(
         enable_gqa=enable_gqa,
         query_lengths=query_lengths,
         key_lengths=key_lengths,
+        padding_side=padding_side,
         segment_ids=segment_ids,
         sinks=sinks,
         dropout_p=dropout_p,

@@ -17,6 +17,7 @@ from .._arrays.typing import (
     ImplementationName,
     Layout,
     MaskMod,
+    PaddingSide,
     ScoreMod,
 )
 
@@ -37,6 +38,7 @@ class AttentionKeywords(TypedDict, total=False):
     enable_gqa: bool
     query_lengths: int | Array | None
     key_lengths: int | Array | None
+    padding_side: PaddingSide
     segment_ids: tuple[Array, Array] | None
     sinks: Array | None
     dropout_p: float

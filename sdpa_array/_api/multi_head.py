@@ -13,7 +13,7 @@ from typing import Any
 
 from .._arrays.compat import array_namespace, device
 from .._arrays.typing import Array
-from .._problem.problem import check_flag
+from .._problem.scalar_options import check_flag
 from .forward import scaled_dot_product_attention
 
 __all__ = ["PARAMETER_NAMES", "multi_head_attention"]

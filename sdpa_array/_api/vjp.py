@@ -18,6 +18,7 @@ from .._arrays.typing import (
     BiasMod,
     Layout,
     MaskMod,
+    PaddingSide,
     ScoreMod,
     VJPImplementationName,
 )
@@ -82,6 +83,7 @@ def scaled_dot_product_attention_vjp(
     enable_gqa: bool = False,
     query_lengths: int | Array | None = None,
     key_lengths: int | Array | None = None,
+    padding_side: PaddingSide = "right",
     segment_ids: tuple[Array, Array] | None = None,
     sinks: Array | None = None,
     dropout_p: float = 0.0,
@@ -108,7 +110,7 @@ def scaled_dot_product_attention_vjp(
         Cotangent of the output: exactly the output's shape, same library and dtype.
     mask, bias, is_causal, window, alignment, scale, softcap, enable_gqa
         As for :func:`scaled_dot_product_attention`; ``mask`` has no gradient.
-    query_lengths, key_lengths, segment_ids
+    query_lengths, key_lengths, padding_side, segment_ids
         As for :func:`scaled_dot_product_attention`; they have no gradient, and padded
         queries and excluded keys get gradients of exactly zero.
     sinks
@@ -208,6 +210,7 @@ def scaled_dot_product_attention_vjp(
         enable_gqa=enable_gqa,
         query_lengths=query_lengths,
         key_lengths=key_lengths,
+        padding_side=padding_side,
         segment_ids=segment_ids,
         sinks=sinks,
         dropout_p=dropout_p,

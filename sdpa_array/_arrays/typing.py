@@ -17,6 +17,7 @@ __all__ = [
     "ImplementationName",
     "Layout",
     "MaskMod",
+    "PaddingSide",
     "ScoreMod",
     "VJPImplementationName",
 ]
@@ -31,6 +32,9 @@ Alignment: TypeAlias = Literal["top_left", "bottom_right"]
 #: features), or ``"BLHE"`` (batch..., length, heads, features: transformers, Flax and
 #: FlashAttention's layout).
 Layout: TypeAlias = Literal["BHLE", "BLHE"]
+
+#: Where each row's padding sits when lengths are given: after its valid tokens, or before.
+PaddingSide: TypeAlias = Literal["right", "left"]
 
 #: The ``implementation=`` choices of the forward pass.
 ImplementationName: TypeAlias = Literal[

@@ -312,9 +312,9 @@ def _token(g: _Grid, st: _Static, kind: str, extra: Any = ()) -> str:
 
 def _graph_applies(p: Problem, x: Inputs) -> bool:
     """Whether the chunk-pair graph computes the call: Dask inputs, and none of the features
-    whose chunk pairs it does not split (attention sinks, dropout, mask, bias and score functions),
-    which the blocked kernel computes instead."""
-    unsplit = p.has_sinks or p.dropout_p > 0 or p.has_mods
+    whose chunk pairs it does not split (attention sinks, dropout, mask, bias and score
+    functions, left padding), which the blocked kernel computes instead."""
+    unsplit = p.has_sinks or p.dropout_p > 0 or p.has_mods or p.left_padded
     return is_dask_array(x.query) and not unsplit
 
 

@@ -5,9 +5,12 @@ layout (the sequence batch axes, then heads axes of size 1, then the tile axes):
 
 * :class:`SequenceLengths`: query ``i`` is padding when ``i >= query_lengths[b]`` (no key
   admissible: its output is zero and its log-sum-exp ``-inf``), key ``j`` is excluded when
-  ``j >= key_lengths[b]``;
+  ``j >= key_lengths[b]``; padded on the left, when ``i < L - query_lengths[b]`` and
+  ``j < S - key_lengths[b]``;
 * :class:`ShiftedBand`: causal and window restrictions whose diagonal sits at
-  ``i + key_lengths[b] - query_lengths[b]`` (``alignment="bottom_right"`` with lengths);
+  ``i + key_lengths[b] - query_lengths[b]`` (``alignment="bottom_right"`` with lengths),
+  or at ``i + (S - key_lengths[b]) - (L - query_lengths[b])`` (the top left of rows padded
+  on the left; their bottom right is the plain band's ``i + S - L``);
 * :class:`SegmentIds`: query ``i`` may attend key ``j`` only in the same segment.
 
 Each answers the key-range questions from the host copy of its values when there is one, so
@@ -64,26 +67,46 @@ class SequenceLengths:
     k_host: np.ndarray | None
     known: bool
     S: int
+    L: int = 0
+    left: bool = False
     per_sequence: bool = True
+
+    def _keys(self, longest: bool) -> tuple[int, int]:
+        """The keys valid in the sequence with the most (``longest``) or fewest keys."""
+        if self.k_host is None:
+            return 0, self.S
+        n = int(self.k_host.max() if longest else self.k_host.min())
+        return (self.S - n, self.S) if self.left else (0, n)
+
+    def _queries(self, longest: bool) -> tuple[int, int]:
+        """The queries valid in the sequence with the most (``longest``) or fewest."""
+        if self.q_host is None:
+            return 0, self.L
+        n = int(self.q_host.max() if longest else self.q_host.min())
+        return (self.L - n, self.L) if self.left else (0, n)
 
     def key_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
         if not self.known:
             return 0, self.S
-        if self.q_host is not None and q_start >= int(self.q_host.max()):
+        lo, hi = self._queries(longest=True)
+        if q_stop <= lo or q_start >= hi:
             return 0, 0  # only padding queries
-        return 0, self.S if self.k_host is None else int(self.k_host.max())
+        return self._keys(longest=True)
 
     def full_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
-        if not self.known or (self.q_host is not None and q_stop > int(self.q_host.min())):
+        lo, hi = self._queries(longest=False)
+        if not self.known or q_start < lo or q_stop > hi:
             return 0, 0
-        return 0, self.S if self.k_host is None else int(self.k_host.min())
+        return self._keys(longest=False)
 
     def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array:
         allowed = None
         if self.q is not None:
-            allowed = xp.arange(rows.start, rows.stop, device=device)[:, None] < self.q
+            i = xp.arange(rows.start, rows.stop, device=device)[:, None]
+            allowed = i >= self.L - self.q if self.left else i < self.q
         if self.k is not None:
-            keys = xp.arange(cols.start, cols.stop, device=device)[None, :] < self.k
+            j = xp.arange(cols.start, cols.stop, device=device)[None, :]
+            keys = j >= self.S - self.k if self.left else j < self.k
             allowed = keys if allowed is None else xp.logical_and(allowed, keys)
         return allowed
 
@@ -211,10 +234,14 @@ def sequence_members(p: Problem) -> tuple[list[Restriction], bool]:
                 k_host=None if k_host is None else _place(p, np, k_host, "lengths"),
                 known=known,
                 S=p.S,
+                L=p.L,
+                left=p.left_padded,
             )
         )
     replaces_band = False
-    if p.band.restricts and p.alignment == "bottom_right" and members:
+    # right padding moves the bottom-right diagonal, left padding the top-left one
+    shifts = p.alignment == ("top_left" if p.left_padded else "bottom_right")
+    if p.band.restricts and shifts and members:
         k_arr = p.S if kl is None else _place(p, xp, kl.array, "lengths")
         q_arr = p.L if ql is None else _place(p, xp, ql.array, "lengths")
         host = None
@@ -222,7 +249,11 @@ def sequence_members(p: Problem) -> tuple[list[Restriction], bool]:
             k_h = p.S if kl is None else _place(p, np, kl.host, "lengths")
             q_h = p.L if ql is None else _place(p, np, ql.host, "lengths")
             host = np.asarray(k_h - q_h)
-        members.append(ShiftedBand(p.band, k_arr - q_arr, host))
+        offset, host_offset = k_arr - q_arr, host
+        if p.left_padded:  # (S - key_lengths) - (L - query_lengths)
+            offset = (p.S - p.L) - offset
+            host_offset = None if host is None else (p.S - p.L) - host
+        members.append(ShiftedBand(p.band, offset, host_offset))
         replaces_band = True
     seg = p.segments
     if seg is not None:

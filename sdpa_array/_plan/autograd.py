@@ -126,6 +126,35 @@ def _with_scale(p: Problem, scale: Array) -> Problem:
     return p if scale is None else dataclasses.replace(p, scale=scale)
 
 
+def _problem_arrays(p: Problem) -> tuple[Array, ...]:
+    """The arrays inside ``p`` that may be traced under ``jax.jit``: the lengths, the
+    segment ids and a seed array. A ``jax.custom_vjp`` function may not close over a
+    tracer, so the wrapper passes them as arguments (:func:`_with_arrays` puts them back)."""
+    ql, kl, seg = p.query_lengths, p.key_lengths, p.segments
+    seed = None if isinstance(p.dropout_seed, int) else p.dropout_seed
+    return (
+        None if ql is None else ql.array,
+        None if kl is None else kl.array,
+        None if seg is None else seg.query,
+        None if seg is None else seg.key,
+        seed,
+    )
+
+
+def _with_arrays(p: Problem, arrays: tuple[Array, ...]) -> Problem:
+    """``p`` holding ``arrays`` (from :func:`_problem_arrays`) in their places."""
+    ql, kl, seg_q, seg_k, seed = arrays
+    replace = dataclasses.replace
+    q_lengths, k_lengths, segments = p.query_lengths, p.key_lengths, p.segments
+    return replace(
+        p,
+        query_lengths=None if q_lengths is None else replace(q_lengths, array=ql),
+        key_lengths=None if k_lengths is None else replace(k_lengths, array=kl),
+        segments=None if segments is None else replace(segments, query=seg_q, key=seg_k),
+        dropout_seed=p.dropout_seed if seed is None else seed,
+    )
+
+
 def _out_and_lse(choice: Choice, p: Problem, x: Inputs, maxima: bool) -> tuple[Array, ...]:
     """``(out, lse)``, and the rows' maxima with ``maxima``."""
     r = choice.forward(p, x, Outputs(lse=True, max_scores=maxima))
@@ -233,33 +262,37 @@ def _jax_forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> Att
 
     maxima = outputs.max_scores
 
+    arrays = _problem_arrays(p)
+
     @jax.custom_vjp
     def attention(
-        query: Any, key: Any, value: Any, mask: Any, bias: Any, sinks: Any, scale: Any
+        query: Any, key: Any, value: Any, mask: Any, bias: Any, sinks: Any, scale: Any, *held: Any
     ) -> tuple[Any, ...]:
         x = Inputs(query, key, value, mask, bias, scale, sinks)
-        return _out_and_lse(choice, _with_scale(p, scale), x, maxima)
+        return _out_and_lse(choice, _with_arrays(_with_scale(p, scale), held), x, maxima)
 
     def fwd(
-        query: Any, key: Any, value: Any, mask: Any, bias: Any, sinks: Any, scale: Any
+        query: Any, key: Any, value: Any, mask: Any, bias: Any, sinks: Any, scale: Any, *held: Any
     ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         x = Inputs(query, key, value, mask, bias, scale, sinks)
-        results = _out_and_lse(choice, _with_scale(p, scale), x, maxima)
+        results = _out_and_lse(choice, _with_arrays(_with_scale(p, scale), held), x, maxima)
         out, lse = results[:2]
-        return results, (query, key, value, mask, bias, sinks, scale, out, lse)
+        return results, (query, key, value, mask, bias, sinks, scale, out, lse, held)
 
     def bwd(saved: tuple[Any, ...], cotangents: tuple[Any, ...]) -> tuple[Any, ...]:
-        query, key, value, mask, bias, sinks, scale, out, lse = saved
+        query, key, value, mask, bias, sinks, scale, out, lse, held = saved
         grad_out, grad_lse = cotangents[:2]  # the rows' maxima are a statistic
         x = Inputs(query, key, value, mask, bias, scale, sinks)
         dq, dk, dv, dbias, dsinks, dscale = _gradients(
-            choice, _with_scale(p, scale), x, out, lse, grad_out, grad_lse
+            choice, _with_arrays(_with_scale(p, scale), held), x, out, lse, grad_out, grad_lse
         )
-        return dq, dk, dv, None, dbias, dsinks, dscale
+        return dq, dk, dv, None, dbias, dsinks, dscale, *(None for _ in held)
 
     attention.defvjp(fwd, bwd)
     try:
-        out, lse, *rest = attention(x.query, x.key, x.value, x.mask, x.bias, x.sinks, x.scale)
+        out, lse, *rest = attention(
+            x.query, x.key, x.value, x.mask, x.bias, x.sinks, x.scale, *arrays
+        )
     except TypeError as exc:
         if "forward-mode" not in str(exc):
             raise

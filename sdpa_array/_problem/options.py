@@ -18,22 +18,22 @@ from typing import Any
 import numpy as np
 
 from .._arrays.compat import array_namespace, is_dask_array
-from .._arrays.typing import Alignment, Array, BiasMod, MaskMod, ScoreMod
+from .._arrays.typing import Alignment, Array, BiasMod, MaskMod, PaddingSide, ScoreMod
 
 __all__ = ["Options", "check_dropout"]
 
 
 @dataclass(frozen=True, eq=False)
 class Options:
-    """The 17 options of an attention call, as given (validation happens once, in
+    """The 18 options of an attention call, as given (validation happens once, in
     :func:`~sdpa_array._problem.problem.validate`, which turns them into a ``Problem``).
 
     Attributes
     ----------
     mask, bias, is_causal, window, alignment, scale, softcap, enable_gqa
         The restrictions and score terms of :func:`sdpa_array.scaled_dot_product_attention`.
-    query_lengths, key_lengths, segment_ids
-        Sequences: lengths and packed documents.
+    query_lengths, key_lengths, padding_side, segment_ids
+        Sequences: lengths (padded on the right or the left) and packed documents.
     sinks, dropout_p, dropout_seed
         Attention sinks and same-bits dropout.
     mask_mod, bias_mod, score_mod
@@ -50,6 +50,7 @@ class Options:
     enable_gqa: bool = False
     query_lengths: int | Array | None = None
     key_lengths: int | Array | None = None
+    padding_side: PaddingSide = "right"
     segment_ids: tuple[Array, Array] | None = None
     sinks: Array | None = None
     dropout_p: float = 0.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .problem import check_flag
+from .scalar_options import check_flag
 
 __all__ = ["Outputs"]
 

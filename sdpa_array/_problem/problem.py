@@ -7,23 +7,26 @@ shapes or dtypes involved. The implementations receive a :class:`Problem` and ca
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
-import operator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from .._arrays.compat import array_namespace, device, is_array_api_obj, known_value, on_gpu
+from .._arrays.compat import array_namespace, device, on_gpu
 from .._arrays.typing import Array
 from .band import Band, window_bounds
 from .mod_args import check_mods
 from .options import Options, check_dropout
+from .scalar_options import (
+    ALIGNMENTS,
+    check_flag,
+    check_padding_side,
+    positive_finite,
+    scale_option,
+    window_option,
+)
 from .sequences import Lengths, Segments, check_lengths, check_segments, zero_past
-
-ALIGNMENTS = ("top_left", "bottom_right")
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,11 @@ class Problem:
         return any(a is not None for a in (self.query_lengths, self.key_lengths, self.segments))
 
     @property
+    def left_padded(self) -> bool:
+        """Whether lengths pad the rows on the left (``padding_side="left"``)."""
+        return any(n is not None and n.left for n in (self.query_lengths, self.key_lengths))
+
+    @property
     def has_mods(self) -> bool:
         """Whether a mask, bias or score function was given."""
         return any(f is not None for f in (self.mask_mod, self.bias_mod, self.score_mod))
@@ -217,80 +225,6 @@ def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
         return tuple(int(n) for n in np.broadcast_shapes(*shapes))
     except ValueError:
         return None
-
-
-def _positive_finite(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    result = float(value)
-    if not (math.isfinite(result) and result > 0):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    return result
-
-
-def _scale(xp: ModuleType, query: Any, scale: Any, E: int) -> float | Array:
-    """The validated ``scale``: a float, or the caller's 0-d array of the inputs' library.
-
-    An array's value is checked where it can be read (not on lazy or traced arrays).
-    """
-    if scale is None:  # with E == 0 every score is 0 whatever the scale
-        return 1.0 / math.sqrt(E) if E > 0 else 1.0
-    if isinstance(scale, np.generic) or not is_array_api_obj(scale):
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(
-                "scale must be a real number or a 0-d array of the inputs' library, got "
-                f"{type(scale).__name__} {scale!r}"
-            )
-        return _positive_finite("scale", scale)
-    try:
-        array_namespace({"query": query, "scale": scale})
-    except TypeError:
-        raise TypeError(
-            "scale must be a real number or a 0-d array of the inputs' library "
-            f"({type(query).__module__}.{type(query).__qualname__}), got "
-            f"{type(scale).__module__}.{type(scale).__qualname__}"
-        ) from None
-    if scale.ndim != 0:
-        raise ValueError(
-            "scale must be a real number or a 0-d array, got an array of shape "
-            f"{tuple(scale.shape)}"
-        )
-    if not xp.isdtype(scale.dtype, "real floating"):
-        raise TypeError(f"scale must have a real floating dtype, got {scale.dtype}")
-    value = known_value(scale)
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise ValueError(f"scale must be a positive finite number, got {value!r}")
-    return scale
-
-
-def check_flag(name: str, flag: Any) -> None:
-    """Raise ``TypeError`` unless ``flag`` is a bool (Python's or NumPy's)."""
-    if not isinstance(flag, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-
-
-def _window(window: Any) -> tuple[int | None, int | None] | None:
-    if window is None:
-        return None
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"window must be a pair (left, right) of ints or None, got {window!r}")
-    sides: list[int | None] = []
-    for side_name, side in zip(("left", "right"), window, strict=True):
-        if side is None:
-            sides.append(None)
-            continue
-        if isinstance(side, bool):
-            raise TypeError(f"window {side_name} size must be an int or None, got {side!r}")
-        try:
-            size = operator.index(side)
-        except TypeError:
-            raise TypeError(
-                f"window {side_name} size must be an int or None, got {type(side).__name__}"
-            ) from None
-        if size < 0:
-            raise ValueError(f"window {side_name} size must be non-negative, got {size}")
-        sides.append(size)
-    return sides[0], sides[1]
 
 
 def _check_sinks(xp: ModuleType, sinks: Any, batch: tuple[int, ...]) -> None:
@@ -448,25 +382,26 @@ def validate(query: Any, key: Any, value: Any, options: Options) -> Problem:
     check_flag("enable_gqa", o.enable_gqa)
     if not isinstance(o.alignment, str) or o.alignment not in ALIGNMENTS:
         raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {o.alignment!r}")
-    sides = _window(o.window)
+    sides = window_option(o.window)
     batch, hq, hk, groups = _batch_shape(query, key, value, bool(o.enable_gqa))
     _check_terms(o, (*batch, L, S))
     _check_sinks(xp, o.sinks, batch)
     drop_p, drop_seed = check_dropout(o.dropout_p, o.dropout_seed)
-    scale_value = _scale(xp, query, o.scale, E)
-    softcap_value = None if o.softcap is None else _positive_finite("softcap", o.softcap)
+    scale_value = scale_option(xp, query, o.scale, E)
+    softcap_value = None if o.softcap is None else positive_finite("softcap", o.softcap)
 
     dev = device(query)
     seq_batch = batch[:-1]
+    left = check_padding_side(o.padding_side)
     common = {"xp": xp, "device": dev, "like": query, "batch": seq_batch}
-    q_lengths = check_lengths("query_lengths", o.query_lengths, limit=L, **common)
-    k_lengths = check_lengths("key_lengths", o.key_lengths, limit=S, **common)
+    q_lengths = check_lengths("query_lengths", o.query_lengths, limit=L, left=left, **common)
+    k_lengths = check_lengths("key_lengths", o.key_lengths, limit=S, left=left, **common)
     segments = check_segments(o.segment_ids, L=L, S=S, **common)
     dtype = query.dtype
     compute_dtype = dtype if xp.finfo(dtype).bits >= 32 else xp.float32
     mods = check_mods(xp, dev, o.mask_mod, o.bias_mod, o.score_mod, compute_dtype, batch, L, S)
     offset = 0 if o.alignment == "top_left" else S - L
-    left, right = window_bounds(sides, L + S)
+    lower, upper = window_bounds(sides, L + S)
     return Problem(
         xp=xp,
         device=dev,
@@ -482,7 +417,7 @@ def validate(query: Any, key: Any, value: Any, options: Options) -> Problem:
         groups=groups,
         scale=scale_value,
         softcap=softcap_value,
-        band=Band(L=L, S=S, is_causal=bool(o.is_causal), left=left, right=right, offset=offset),
+        band=Band(L=L, S=S, is_causal=bool(o.is_causal), left=lower, right=upper, offset=offset),
         enable_gqa=bool(o.enable_gqa),
         alignment=o.alignment,
         query_lengths=q_lengths,

@@ -36,10 +36,14 @@ class Lengths:
         Integer array of the inputs' library, broadcastable to the sequence batch.
     host : numpy.ndarray or None
         The same values on the host, or ``None`` where they cannot be read.
+    left : bool
+        Whether the padding comes first (``padding_side="left"``): the valid tokens are the
+        last ``length`` of each row, ``[n - length, n)``, instead of the first.
     """
 
     array: Array
     host: np.ndarray | None
+    left: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,8 @@ def zero_past(
     heads: int,
     features: bool = True,
 ) -> Array:
-    """``rows`` with every row at or past its sequence's length set to zero.
+    """``rows`` with every padding row set to zero: at or past its sequence's length, or
+    before ``n - length`` when the padding is on the left.
 
     ``rows`` is ``(*sequence batch, [Hq,] n, X)`` (``features=False``: without ``X``) and
     ``heads`` is 1 where it has the heads axis, else 0. Rows past the lengths are padding:
@@ -86,7 +91,8 @@ def zero_past(
     if features:
         positions = xp.reshape(positions, (n, 1))
     zero = xp.zeros((), dtype=rows.dtype, device=device(rows))
-    return xp.where(positions < limit, rows, zero)
+    valid = positions >= n - limit if lengths.left else positions < limit
+    return xp.where(valid, rows, zero)
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
@@ -143,8 +149,10 @@ def check_lengths(
     like: Any,
     batch: tuple[int, ...],
     limit: int,
+    left: bool = False,
 ) -> Lengths | None:
-    """Validate ``query_lengths`` or ``key_lengths`` (``name``) against ``[0, limit]``.
+    """Validate ``query_lengths`` or ``key_lengths`` (``name``) against ``[0, limit]``;
+    ``left``: the rows are padded on the left.
 
     Raises
     ------
@@ -170,7 +178,8 @@ def check_lengths(
             )
     else:  # values unknown here (lazy or traced): clipped instead of checked
         array = xp.clip(array, 0, limit)
-    return Lengths(array, None if host is None else np.asarray(host, dtype=np.int64))
+    host_values_ = None if host is None else np.asarray(host, dtype=np.int64)
+    return Lengths(array, host_values_, left)
 
 
 def check_segments(

@@ -29,6 +29,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     query_lengths: Any = None,
     key_lengths: Any = None,
+    padding_side: str = "right",
     segment_ids: tuple[Any, Any] | None = None,
     sinks: Any = None,
     dropout_p: float = 0.0,
@@ -81,6 +82,10 @@ def scaled_dot_product_attention(
     key_lengths : int or array_like of int, optional
         Valid keys per batch element, like ``query_lengths``, each in ``[0, S]``: key
         ``j >= key_lengths[b]`` is excluded for every query of batch element ``b``.
+    padding_side : {"right", "left"}, default "right"
+        ``"left"``: the padding comes first, the valid queries and keys are the last
+        ``query_lengths[b]`` and ``key_lengths[b]``, and ``i`` and ``j`` above (the
+        diagonal, the window) are the positions among them.
     segment_ids : pair of array_like of int, optional
         ``(query_segments, key_segments)``, broadcastable to ``batch + (L,)`` and
         ``batch + (S,)`` (no heads axis): query ``i`` may attend key ``j`` only if
@@ -208,6 +213,7 @@ def scaled_dot_product_attention(
         key_lengths,
         segment_ids,
         sinks=sinks,
+        padding_side=padding_side,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         mask_mod=mask_mod,
@@ -244,6 +250,7 @@ def intermediates(
     enable_gqa: bool = False,
     query_lengths: Any = None,
     key_lengths: Any = None,
+    padding_side: str = "right",
     segment_ids: tuple[Any, Any] | None = None,
     sinks: Any = None,
     dropout_p: float = 0.0,
@@ -279,6 +286,7 @@ def intermediates(
         key_lengths,
         segment_ids,
         sinks=sinks,
+        padding_side=padding_side,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         mask_mod=mask_mod,

@@ -36,6 +36,7 @@ def validate_and_prepare(
     segment_ids: Any = None,
     *,
     sinks: Any = None,
+    padding_side: str = "right",
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
     mask_mod: Any = None,
@@ -112,6 +113,7 @@ def validate_and_prepare(
         "key_lengths": k_lengths,
         "segments": segments,
         "sinks": sinks_np,
+        "padding_side": padding_side,
         "sinks_shape": None if given_sinks is None else given_sinks.shape,
         "dropout_p": float(dropout_p),
         # a seed given as a 0-d array of any library counts by its value
@@ -223,6 +225,7 @@ def forward_pass(
         is_causal,
         window,
         alignment,
+        prep["padding_side"],
     )
     if lead:
         by_index = by_index[..., None, :, :]

@@ -2,7 +2,10 @@
 
 For batch element ``b``, query ``i`` and key ``j``, the pair is admissible by index only if
 
-* ``i < query_lengths[b]`` and ``j < key_lengths[b]`` (the rest is padding);
+* ``i < query_lengths[b]`` and ``j < key_lengths[b]`` (the rest is padding); with
+  ``padding_side="left"`` the padding comes first, and ``i``, ``j`` below are the
+  positions within the valid tokens, ``i - (L - query_lengths[b])`` and
+  ``j - (S - key_lengths[b])``, which must be at least 0;
 * ``query_segments[b, i] == key_segments[b, j]`` (packed documents);
 * ``j <= diag`` with ``is_causal``, and ``diag - left <= j <= diag + right`` with
   ``window=(left, right)``, where ``diag = i`` for ``"top_left"`` and
@@ -211,6 +214,7 @@ def allowed_by_index(
     is_causal: bool,
     window: Any,
     alignment: str,
+    padding_side: str = "right",
 ) -> np.ndarray:
     """Boolean ``batch + (L, S)``: may query ``i`` of batch element ``b`` attend key ``j``.
 
@@ -235,15 +239,20 @@ def allowed_by_index(
             [1, 1, 1, 0],
             [0, 0, 0, 0]]])
     """
-    i = np.arange(L)[:, None]  # (L, 1)
-    j = np.arange(S)[None, :]  # (1, S)
     q_len = query_lengths[..., None, None]  # batch + (1, 1)
     k_len = key_lengths[..., None, None]
+    i = np.arange(L)[:, None]  # (L, 1)
+    j = np.arange(S)[None, :]  # (1, S)
+    if padding_side == "left":  # positions within the valid tokens, the last ones
+        i = i - (L - q_len)
+        j = j - (S - k_len)
+    elif padding_side != "right":
+        raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
     # Query i's diagonal: key i, or with bottom-right alignment key i + k_len - q_len,
     # so that the last valid query lines up with the last valid key of its element.
     diag = i if alignment == "top_left" else i + (k_len - q_len)
 
-    allowed = (i < q_len) & (j < k_len)  # batch + (L, S): padding excluded
+    allowed = (i >= 0) & (i < q_len) & (j >= 0) & (j < k_len)  # padding excluded
     if is_causal:
         allowed &= j <= diag
     if window is not None:

@@ -32,6 +32,7 @@ def scaled_dot_product_attention_vjp(
     enable_gqa: bool = False,
     query_lengths: Any = None,
     key_lengths: Any = None,
+    padding_side: str = "right",
     segment_ids: tuple[Any, Any] | None = None,
     sinks: Any = None,
     dropout_p: float = 0.0,
@@ -56,7 +57,7 @@ def scaled_dot_product_attention_vjp(
         ``shape`` other than a NumPy scalar) it gets a gradient, ``grad_scale``.
     softcap, enable_gqa
         As in :func:`scaled_dot_product_attention`.
-    query_lengths, key_lengths, segment_ids
+    query_lengths, key_lengths, padding_side, segment_ids
         As in :func:`scaled_dot_product_attention`. Padded queries and excluded keys get
         no gradient and pass none on.
     sinks : array_like, optional
@@ -148,6 +149,7 @@ def scaled_dot_product_attention_vjp(
         key_lengths,
         segment_ids,
         sinks=sinks,
+        padding_side=padding_side,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         mask_mod=mask_mod,

@@ -26,7 +26,8 @@ from ..._arrays.typing import Array
 from ..._kernels.triton import plan_triton
 from ..._problem.band import window_bounds
 from ..._problem.options import Options
-from ..._problem.problem import Inputs, Problem, check_flag, validate
+from ..._problem.problem import Inputs, Problem, validate
+from ..._problem.scalar_options import check_flag
 
 __all__ = ["CacheCall", "check_call"]
 

@@ -111,6 +111,11 @@ def plan_triton(p: Problem, x: Inputs) -> None:
             f"{given} is an arbitrary Python function, which the Triton kernels cannot "
             "compile; the blocked or materialized implementations evaluate it"
         )
+    if p.left_padded:
+        raise CannotUseTritonError(
+            "padding_side='left' is computed by the blocked and materialized "
+            "implementations; the Triton kernels take right-padded lengths"
+        )
     for name, n in (("query/key head dim E", p.E), ("value head dim Ev", p.Ev)):
         if not 0 < n <= MAX_HEAD_DIM:
             raise CannotUseTritonError(
