@@ -324,3 +324,91 @@ def test_score_function_checks_callables():
         mods.score_function(_squash, 1.0)
     assert repr(mods.tanh_softcap(2.0)) == "tanh_softcap(2.0)"
     assert "_squash" in repr(SQUASH)
+
+
+def test_traced_data_in_mods_under_jax_grad(jax_backend):
+    """Mods closing over arrays traced under ``jax.jit`` (a temperature and ALiBi slopes
+    being trained): ``"auto"`` differentiates them through the materialized path, as
+    ``"materialized"`` does; ``"blocked"``, whose ``jax.custom_vjp`` cannot take them,
+    refuses with a ``TypeError`` that says what to do."""
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v, g = (jax_backend.asarray(a, "float32") for a in _arrays(seed=8))
+
+    def gradients(implementation, **blocks):
+        @jax.jit
+        def loss(q, k, v, values):
+            out = sdpa_array.scaled_dot_product_attention(
+                q, k, v, implementation=implementation, **blocks,
+                score_mod=mods.temperature(values + 1.0), bias_mod=mods.alibi(values),
+            )  # fmt: skip
+            return jnp.sum(out * g)
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v, jnp.asarray([0.5, 0.25, 1.0]))
+
+    # with block sizes "auto" would run the blocked kernel
+    auto, materialized = gradients("auto", block_q=2), gradients("materialized")
+    for a, b in zip(auto, materialized, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(TypeError, match="closes over traced arrays"):
+        gradients("blocked", block_q=2)
+
+
+def _oracle_temperature_gradient(q, k, v, g, t):
+    """``d sum(out * g) / d t`` for ``score_mod=temperature(t)``, from the oracle's own
+    float64 intermediates: ``dZ = P * (dP - rowsum(P * dP))`` with ``dP = g Vᵀ``, and
+    ``d(raw / t_h) / d t_h = -raw / t_h²``, summed over each head's scores. Also the bound
+    of a float64 computation of it: ``(n + 10) u`` times the sum of the magnitudes of its
+    ``n`` terms per head."""
+    fwd = reference.intermediates(q, k, v, score_mod=mods.temperature(t))
+    P, raw = fwd["weights"], fwd["raw"]
+    dP = g @ np.swapaxes(fwd["v_rep"], -1, -2)
+    dZ = P * (dP - np.sum(P * dP, axis=-1, keepdims=True))
+    terms = dZ * (-raw / t[:, None, None] ** 2)
+    expected = np.sum(terms, axis=(0, 2, 3))
+    n = terms.size // t.size
+    bound = (n + 10) * 2.0**-53 * np.sum(np.abs(terms), axis=(0, 2, 3))
+    return expected, bound
+
+
+def test_captured_temperature_gets_its_gradient(autograd_backend):
+    """A temperature the score function captures, trainable (a torch tensor that requires
+    grad, a JAX array differentiated with ``jax.grad``), gets its gradient from the
+    library's autodiff through the materialized path, which ``"auto"`` runs for such a call
+    (its blocked kernel's wrapper takes only the call's own arrays, and ``"blocked"``
+    refuses it), against the oracle's own derivation in float64."""
+    q, k, v, g = _arrays(seed=9)
+    t = np.array([0.5, 2.0, 1.25])
+    expected, bound = _oracle_temperature_gradient(q, k, v, g, t)
+    arrays = [autograd_backend.asarray(a, "float64") for a in (q, k, v, g)]
+    for run in ({"implementation": "materialized"}, {"implementation": "auto", "block_q": 2}):
+        if autograd_backend.library == "torch":
+            import torch
+
+            xs = [x.clone().requires_grad_(True) for x in arrays[:3]]
+            values = torch.tensor(t, requires_grad=True)
+            out = sdpa_array.scaled_dot_product_attention(
+                *xs, score_mod=mods.temperature(values), **run
+            )
+            out.backward(arrays[3])
+            got = values.grad.numpy()
+        else:
+            import jax
+            import jax.numpy as jnp
+
+            def loss(values, run=run):
+                out = sdpa_array.scaled_dot_product_attention(
+                    *arrays[:3], score_mod=mods.temperature(values), **run
+                )
+                return jnp.sum(out * arrays[3])
+
+            got = np.asarray(jax.grad(loss)(jnp.asarray(t)))
+        assert np.all(np.abs(got - expected) <= bound), (run, got, expected, bound)
+    if autograd_backend.library == "torch":
+        xs = [x.clone().requires_grad_(True) for x in arrays[:3]]
+        values = torch.tensor(t, requires_grad=True)
+        with pytest.raises(TypeError, match="require grad"):
+            sdpa_array.scaled_dot_product_attention(
+                *xs, score_mod=mods.temperature(values), implementation="blocked", block_q=2
+            )

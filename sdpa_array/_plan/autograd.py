@@ -26,6 +26,14 @@ log-sum-exp nor the kernel's backward.
   materialized one instead (JAX differentiates it in both modes); an explicit
   ``implementation="blocked"`` raises a ``TypeError`` that says so.
 
+A call whose ``mask_mod``/``bias_mod``/``score_mod`` closes over arrays autodiff follows (JAX
+tracers, torch tensors that require grad) cannot go through either wrapper, which takes
+only the call's own arrays: ``"auto"`` runs the materialized implementation instead, which
+the library differentiates whole (a score function's captured values then get their
+gradients), and an explicit blocked choice raises a ``TypeError``. The arrays of the
+problem itself (lengths, segment ids, a seed array) are passed to the JAX wrapper as
+arguments.
+
 Both wrappers take ``sinks`` like ``bias`` (a differentiable input, ``None`` when absent);
 dropout needs nothing saved, since the backward kernel regenerates its keep mask from the
 seed in the :class:`~sdpa_array._problem.problem.Problem`. Both wrappers also differentiate the
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from .._arrays.compat import namespace_name
@@ -70,6 +79,8 @@ def _forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> Attenti
         library = namespace_name(p.xp)
         if library == "torch" and _torch_needs_grad(x):
             backward = _torch_backward_choice(choice, p, x, outputs.lse)
+            if backward is not None and _mods_hold(p, _torch_trainable):
+                return _materialized_instead(choice, p, x, outputs)
             if backward is not None:
                 return _torch_forward(choice, backward, p, x, outputs)
         if library == "jax" and choice.row.own_autograd and _jax_traced(x):
@@ -139,6 +150,56 @@ def _problem_arrays(p: Problem) -> tuple[Array, ...]:
         None if seg is None else seg.key,
         seed,
     )
+
+
+def _torch_trainable(a: Any) -> bool:
+    import torch
+
+    return isinstance(a, torch.Tensor) and a.requires_grad
+
+
+def _materialized_instead(
+    choice: Choice, p: Problem, x: Inputs, outputs: Outputs
+) -> AttentionResult:
+    """The materialized forward, which the library's autodiff differentiates whole, for a
+    call whose mods hold arrays autodiff follows (:func:`_mods_hold`): a wrapper around our
+    backward kernels cannot take them as inputs. ``TypeError`` for an explicit choice."""
+    if not choice.automatic:
+        raise TypeError(
+            f"implementation={choice.name!r} cannot differentiate a mask_mod, bias_mod or "
+            "score_mod that closes over traced arrays or tensors that require grad (its "
+            "autodiff wrapper takes only the call's own arrays): pass the function's data "
+            "as constants, or use implementation='materialized' (or 'auto', which then "
+            "runs it)"
+        )
+    return Choice("materialized", automatic=True).forward(p, x, outputs)
+
+
+def _mods_hold(p: Problem, autodiff_array: Callable[[Any], bool]) -> bool:
+    """Whether a mask, bias or score function of ``p`` holds an array that autodiff
+    follows (``autodiff_array``: a JAX tracer, a torch tensor that requires grad): in the
+    data of a ready-made one, or in the closure, defaults or partial arguments of a
+    function (a few levels deep). A ``jax.custom_vjp`` cannot close over a tracer, and a
+    ``torch.autograd.Function`` would not pass a gradient to such a tensor."""
+
+    def holds(obj: Any, depth: int) -> bool:
+        if autodiff_array(obj):
+            return True
+        if depth == 0 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            return False
+        if isinstance(obj, (tuple, list)):
+            return any(holds(o, depth - 1) for o in obj)
+        parts: list[Any] = []
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            parts += [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+        parts += [cell.cell_contents for cell in getattr(obj, "__closure__", None) or ()]
+        parts += list(getattr(obj, "__defaults__", None) or ())
+        parts += [getattr(obj, n, None) for n in ("value", "func", "args", "__self__")]
+        keywords = getattr(obj, "keywords", None)
+        parts += list(keywords.values()) if isinstance(keywords, dict) else []
+        return any(holds(o, depth - 1) for o in parts if o is not obj)
+
+    return any(holds(f, 4) for f in (p.mask_mod, p.bias_mod, p.score_mod))
 
 
 def _with_arrays(p: Problem, arrays: tuple[Array, ...]) -> Problem:
@@ -262,6 +323,8 @@ def _jax_forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> Att
 
     maxima = outputs.max_scores
 
+    if _mods_hold(p, lambda a: isinstance(a, jax.core.Tracer)):
+        return _materialized_instead(choice, p, x, outputs)
     arrays = _problem_arrays(p)
 
     @jax.custom_vjp
