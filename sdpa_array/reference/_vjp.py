@@ -71,6 +71,9 @@ def scaled_dot_product_attention_vjp(
     mask_mod, bias_mod : callable, optional
         As in :func:`scaled_dot_product_attention`. They hold no trainable parameters and
         get no gradient; keys they exclude pass none on.
+    score_mod : callable, optional
+        As in :func:`scaled_dot_product_attention`; the score gradients are multiplied by
+        its ``derivative`` method (a ``TypeError`` without one).
     layout : {"BHLE", "BLHE"}, default "BHLE"
         As in :func:`scaled_dot_product_attention`; with ``"BLHE"`` ``grad_output`` and
         the three gradients are ``(..., L, H, E)`` too.
