@@ -163,6 +163,12 @@ def stop_gradient(xp: ModuleType, x: Any) -> Any:
     return x
 
 
+def has_autodiff(xp: ModuleType) -> bool:
+    """Whether the namespace's library differentiates by itself (torch, JAX): what
+    :func:`elementwise_derivative` needs."""
+    return bool(is_torch_namespace(xp) or is_jax_namespace(xp))
+
+
 def elementwise_derivative(
     xp: ModuleType, f: Callable[[Any], Any], x: Any
 ) -> tuple[Any, Any] | None:

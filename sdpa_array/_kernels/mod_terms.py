@@ -26,7 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays.compat import elementwise_derivative, namespace_name, stop_gradient
+from .._arrays.compat import (
+    elementwise_derivative,
+    has_autodiff,
+    namespace_name,
+    stop_gradient,
+)
 from .._arrays.slicing import at_batch
 from .._arrays.typing import Array
 from .._problem.block_mask import EMPTY, FULL, HOST_BLOCK, BlockMask, classify_in, classify_on_host
@@ -332,10 +337,15 @@ class ModScore:
     indices: ModIndices
 
     def _checked(
-        self, name: str, f: Callable[..., Any], s: Array, rows: slice, cols: slice
+        self,
+        name: str,
+        f: Callable[..., Any],
+        s: Array,
+        grid: tuple[tuple[Array, ...], tuple[int, ...]],
     ) -> Array:
-        indices, shape = self.indices.grid(rows, cols)
-        out = call_mod(name, f, indices, shape, score=s)
+        """``f(s, *indices)`` on the tile whose :meth:`ModIndices.grid` is ``grid``,
+        checked, in ``s``'s dtype and shape."""
+        out = call_mod(name, f, *grid, score=s)
         xp = self.indices.xp
         if out.dtype != s.dtype:
             out = xp.astype(out, s.dtype)
@@ -343,16 +353,16 @@ class ModScore:
 
     def tile(self, s: Array, rows: slice, cols: slice) -> Array:
         """``score_mod`` of the scores ``s`` of the tile (``rows``, ``cols``)."""
-        return self._checked("score_mod", self.mod, s, rows, cols)
+        return self._checked("score_mod", self.mod, s, self.indices.grid(rows, cols))
 
     def tile_and_slope(self, s: Array, rows: slice, cols: slice) -> tuple[Array, Array]:
         """``score_mod(s)`` and its derivative with respect to ``s`` on the tile."""
+        grid = self.indices.grid(rows, cols)
         if self.derivative is not None:
-            return self.tile(s, rows, cols), self._checked(
-                "score_mod.derivative", self.derivative, s, rows, cols
-            )
+            slope = self._checked("score_mod.derivative", self.derivative, s, grid)
+            return self._checked("score_mod", self.mod, s, grid), slope
         found = elementwise_derivative(
-            self.indices.xp, lambda x: self._checked("score_mod", self.mod, x, rows, cols), s
+            self.indices.xp, lambda x: self._checked("score_mod", self.mod, x, grid), s
         )
         if found is None:  # checked before any work (score_mod_derivable)
             raise TypeError("score_mod has no derivative")
@@ -376,8 +386,8 @@ def score_mod_derivable(p: Problem) -> None:
     mod = p.score_mod
     if mod is None or getattr(mod, "derivative", None) is not None:
         return
-    library = namespace_name(p.xp)
-    if library not in ("torch", "jax"):
+    if not has_autodiff(p.xp):
+        library = namespace_name(p.xp)
         raise TypeError(
             f"score_mod {getattr(mod, '__qualname__', mod)!r} has no derivative method, and "
             f"{library} arrays have no autodiff to find one: give the gradient's score "

@@ -71,33 +71,27 @@ class SequenceLengths:
     left: bool = False
     per_sequence: bool = True
 
-    def _keys(self, longest: bool) -> tuple[int, int]:
-        """The keys valid in the sequence with the most (``longest``) or fewest keys."""
-        if self.k_host is None:
-            return 0, self.S
-        n = int(self.k_host.max() if longest else self.k_host.min())
-        return (self.S - n, self.S) if self.left else (0, n)
-
-    def _queries(self, longest: bool) -> tuple[int, int]:
-        """The queries valid in the sequence with the most (``longest``) or fewest."""
-        if self.q_host is None:
-            return 0, self.L
-        n = int(self.q_host.max() if longest else self.q_host.min())
-        return (self.L - n, self.L) if self.left else (0, n)
+    def _valid(self, host: np.ndarray | None, n: int, longest: bool) -> tuple[int, int]:
+        """The positions ``[lo, hi)`` of a side of ``n`` tokens valid in the sequence with
+        the most (``longest``) or fewest of them (all ``n`` without host lengths)."""
+        if host is None:
+            return 0, n
+        length = int(host.max() if longest else host.min())
+        return (n - length, n) if self.left else (0, length)
 
     def key_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
         if not self.known:
             return 0, self.S
-        lo, hi = self._queries(longest=True)
+        lo, hi = self._valid(self.q_host, self.L, longest=True)
         if q_stop <= lo or q_start >= hi:
             return 0, 0  # only padding queries
-        return self._keys(longest=True)
+        return self._valid(self.k_host, self.S, longest=True)
 
     def full_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
-        lo, hi = self._queries(longest=False)
+        lo, hi = self._valid(self.q_host, self.L, longest=False)
         if not self.known or q_start < lo or q_stop > hi:
             return 0, 0
-        return self._keys(longest=False)
+        return self._valid(self.k_host, self.S, longest=False)
 
     def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array:
         allowed = None
