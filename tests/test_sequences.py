@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import sdpa_array
+from sdpa_array._kernels.native import Request, plan_native
 from sdpa_array._kernels.operands import prepare
 from sdpa_array._kernels.tiling import plan_blocks
 from sdpa_array._problem.options import Options
@@ -276,12 +277,80 @@ def test_lazy_dask_lengths_stay_lazy(dask_backend):
     assert_close_to_oracle(out, q, k, v, **kw)
 
 
-def test_native_is_refused_and_auto_falls_back(native_backend):
+def test_native_refuses_segment_ids_and_auto_falls_back(native_backend):
     q, k, v, _ = _arrays(native_backend, "float32")
-    with pytest.raises(sdpa_array.CannotDelegateError, match="lengths and segment ids"):
-        sdpa_array.scaled_dot_product_attention(q, k, v, key_lengths=5, implementation="native")
-    out = sdpa_array.scaled_dot_product_attention(q, k, v, key_lengths=5)
-    assert_close_to_oracle(out, q, k, v, key_lengths=5)
+    ids = (np.array([0, 0, 1, 1, 1, 2]), np.array([0, 1, 1, 1, 2, 2, 2]))
+    with pytest.raises(sdpa_array.CannotDelegateError, match="segment ids"):
+        sdpa_array.scaled_dot_product_attention(q, k, v, segment_ids=ids, implementation="native")
+    out = sdpa_array.scaled_dot_product_attention(q, k, v, segment_ids=ids)
+    assert_close_to_oracle(out, q, k, v, segment_ids=ids)
+
+
+#: (padding_side, alignment, is_causal, window, L): the calls whose lengths torch's CPU
+#: flash kernel takes as a key mask beside its own is_causal, or (windows, a diagonal
+#: off the top left) inside a positional mask built for the call.
+CPU_FLASH_LENGTHS = [
+    ("right", "top_left", False, None, L),
+    ("right", "top_left", True, None, L),
+    ("right", "top_left", True, (2, 0), L),
+    ("right", "bottom_right", False, None, L),
+    ("left", "bottom_right", True, None, S),
+    ("left", "bottom_right", True, None, L),
+    ("left", "bottom_right", False, (1, 1), L),
+    ("left", "top_left", False, None, L),
+]
+
+
+@pytest.mark.parametrize(("side", "alignment", "causal", "window", "n_q"), CPU_FLASH_LENGTHS)
+def test_torch_cpu_flash_takes_lengths(torch_cpu_backend, side, alignment, causal, window, n_q):
+    """Lengths on torch's CPU flash kernel: output, log-sum-exp (-inf for rows with no
+    key), autograd through it and the native VJP, against the oracle; auto chooses it,
+    and only a window or an off-top-left diagonal builds an (L, S) mask."""
+    q, k, v, _ = _arrays(torch_cpu_backend, "float64", q_shape=(B, H, n_q, E))
+    kw = dict(
+        query_lengths=np.array([n_q, n_q - 1, 1]),
+        key_lengths=np.array([S, 3, 0]),
+        padding_side=side,
+        alignment=alignment,
+        is_causal=causal,
+        window=window,
+    )
+    plan = sdpa_array.explain(q, k, v, **kw)
+    assert plan.forward == "native"
+    assert plan.forward_kernel == "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu"
+    delegation = plan_native(validate(q, k, v, Options(**kw)), Request(Inputs(q, k, v)))
+    off_top_left = causal and alignment == "bottom_right" and n_q != S
+    assert delegation.builds_mask == (window is not None or off_top_left)
+    out, lse = sdpa_array.scaled_dot_product_attention(
+        q, k, v, return_lse=True, implementation="native", **kw
+    )
+    assert_close_to_oracle((out, lse), q, k, v, return_lse=True, **kw)
+    g = torch_cpu_backend.asarray(np.random.default_rng(5).standard_normal(out.shape), "float64")
+    grads = sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, implementation="native", **kw)
+    assert_vjp_close_to_oracle(grads, q, k, v, g, **kw)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = sdpa_array.scaled_dot_product_attention(*leaves, implementation="native", **kw)
+    out.backward(g)
+    assert_vjp_close_to_oracle(tuple(x.grad for x in leaves), q, k, v, g, **kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(padding_side="right", alignment="bottom_right", is_causal=True), "diagonal"),
+        (dict(padding_side="left", alignment="top_left", is_causal=True), "diagonal"),
+        (dict(mask=np.tril(np.ones((L, S), bool))), "beside a mask"),
+    ],
+)
+def test_lengths_the_cpu_flash_kernel_cannot_take(torch_cpu_backend, kw, match):
+    q, k, v, _ = _arrays(torch_cpu_backend, "float32")
+    kw = {**kw, "key_lengths": np.array([S, 3, 1])}
+    if "mask" in kw:
+        kw["mask"] = torch_cpu_backend.asarray(kw["mask"])
+    with pytest.raises(sdpa_array.CannotDelegateError, match=match):
+        sdpa_array.scaled_dot_product_attention(q, k, v, implementation="native", **kw)
+    out = sdpa_array.scaled_dot_product_attention(q, k, v, **kw)
+    assert_close_to_oracle(out, q, k, v, **kw)
 
 
 def _planned_pairs(query, key, value, **options):

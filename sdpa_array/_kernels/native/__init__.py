@@ -20,6 +20,9 @@ What every delegation does the same way (so the kernels' own rules never leak ou
   the diagonal at key ``i`` (``"top_left"``, or ``L == S``) and no window; every other
   positional restriction (bottom-right with ``L != S``, windows) becomes an explicit
   boolean mask built from the call's :class:`~sdpa_array._problem.band.Band` (``builds_mask``);
+* query and key lengths (torch's CPU flash kernel only) become a key mask ``(..., 1, 1, S)``
+  beside the kernel's causal rule, and the rows they leave without a key are known from
+  the lengths (:func:`~.delegation.length_terms`), so no ``(L, S)`` array is formed;
 * rows with no admissible key get zeros and a log-sum-exp of ``-inf`` afterwards, whatever
   the kernel gave (torch < 2.5: NaN; JAX: the mean of the values or NaN); sinks and
   dropout are refused (no kernel has the first, none draws the keep mask's bits);

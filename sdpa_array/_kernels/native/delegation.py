@@ -34,6 +34,8 @@ __all__ = [
     "from_four_d",
     "kernel_causal",
     "kernel_dtype",
+    "length_checks",
+    "length_terms",
     "refuse",
     "scale_option",
     "score_terms",
@@ -131,10 +133,17 @@ def refuse(reason: str) -> CannotDelegateError:
     return CannotDelegateError(reason)
 
 
-def common_checks(p: Problem, req: Request) -> None:
+def common_checks(p: Problem, req: Request, *, lengths: bool = False) -> None:
+    """Refuse what no native kernel computes; ``lengths``: the kernel takes query and key
+    lengths as a key mask beside its own ``is_causal`` (:func:`length_checks`)."""
+    if lengths:
+        length_checks(p, req)
     for refused, reason in (
         (req.outputs.max_scores, "no native kernel returns the maximum scores"),
-        (p.has_sequences, "query/key lengths and segment ids are not delegated"),
+        (
+            p.has_sequences and not lengths,
+            "query/key lengths and segment ids are not delegated to it",
+        ),
         (p.softcap is not None, "no native kernel applies a softcap"),
         (p.has_sinks, "no native kernel adds attention sinks"),
         (p.dropout_p > 0, "native dropout does not draw dropout_keep_mask's bits"),
@@ -148,6 +157,68 @@ def common_checks(p: Problem, req: Request) -> None:
     ):
         if refused:
             raise refuse(reason)
+
+
+def length_checks(p: Problem, req: Request) -> None:
+    """Refuse the sequence arguments that a key mask beside ``is_causal`` cannot express:
+    segment ids, lengths beside a mask or bias, per-sequence diagonals (``"bottom_right"``
+    with right padding, ``"top_left"`` with left padding) and lengths whose batch axes
+    broadcast partially."""
+    if p.segments is not None:
+        raise refuse("segment ids are not delegated")
+    if not p.has_sequences:
+        return
+    if req.mask is not None or req.bias is not None:
+        raise refuse("lengths beside a mask or bias are not delegated")
+    shifts = p.alignment == ("top_left" if p.left_padded else "bottom_right")
+    if p.band.restricts and shifts:
+        raise refuse(
+            f"alignment={p.alignment!r} with {'left' if p.left_padded else 'right'} padding "
+            "puts each sequence's diagonal elsewhere, which no kernel's is_causal expresses"
+        )
+    seq = p.sequence_batch
+    for lengths in (p.query_lengths, p.key_lengths):
+        if lengths is None:
+            continue
+        shape = (1,) * (len(seq) - lengths.array.ndim) + tuple(lengths.array.shape)
+        if shape != seq and any(n != 1 for n in shape):
+            raise refuse(f"lengths of shape {tuple(lengths.array.shape)} broadcast partially")
+
+
+def _lengths_as(p: Problem, lengths: Any, tail: tuple[int, int]) -> Any:
+    """``lengths`` (sequence batch) shaped ``(*sequence batch, 1, *tail)``."""
+    xp, seq = p.xp, p.sequence_batch
+    shape = (1,) * (len(seq) - lengths.ndim) + tuple(lengths.shape)
+    return xp.reshape(lengths, (*shape, 1, *tail))
+
+
+def length_terms(p: Problem, is_causal: bool) -> tuple[Any, Any]:
+    """Query and key lengths as a key mask ``(..., 1, 1, S)`` and the rows that keep an
+    admissible key ``(..., 1, L, 1)``, under the kernel's top-left ``is_causal`` where
+    ``is_causal`` (else of the lengths alone); ``(None, None)`` without lengths.
+
+    No ``(L, S)`` array is formed: a row is padding by its query length, and it reaches a
+    valid key when its key length is positive and, under causal attention with left
+    padding, when it lies at or after the first valid key.
+    """
+    ql, kl = p.query_lengths, p.key_lengths
+    if ql is None and kl is None:
+        return None, None
+    xp, dev, left = p.xp, p.device, p.left_padded
+    i = xp.reshape(xp.arange(p.L, device=dev), (p.L, 1))
+    j = xp.arange(p.S, device=dev)
+    keys = rows = None
+    if ql is not None:
+        n = _lengths_as(p, ql.array, (1, 1))
+        rows = i >= p.L - n if left else i < n
+    if kl is not None:
+        n = _lengths_as(p, kl.array, (1, 1))
+        keys = (j >= p.S - n) if left else (j < n)
+        reach = n > 0
+        if left and is_causal:
+            reach = xp.logical_and(reach, i >= p.S - n)
+        rows = reach if rows is None else xp.logical_and(rows, reach)
+    return keys, rows
 
 
 def kernel_dtype(p: Problem) -> Any:
@@ -196,6 +267,12 @@ def score_terms(p: Problem, mask: Any, bias: Any, *, merge: bool) -> Terms:
     positional = None
     if builds_mask(p, has_terms):
         positional = p.band.tile_mask(xp, p.device, slice(0, p.L), slice(0, p.S))
+    keys, rows = length_terms(p, is_causal)  # only beside no mask or bias (length_checks)
+    if keys is not None or rows is not None:
+        if positional is None:
+            return _length_only_terms(p, is_causal, keys, rows, merge=merge)
+        # with a positional mask built, the lengths join it in one (L, S) mask
+        mask = keys if rows is None else rows if keys is None else xp.logical_and(rows, keys)
     allowed = mask
     if positional is not None:
         allowed = positional if allowed is None else xp.logical_and(allowed, positional)
@@ -223,6 +300,21 @@ def score_terms(p: Problem, mask: Any, bias: Any, *, merge: bool) -> Terms:
         zero = xp.asarray(0.0, dtype=dtype, device=p.device)
         bias, allowed = xp.where(allowed, zero if bias is None else bias, neg_inf), None
     return Terms(is_causal, allowed, bias, row_ok)
+
+
+def _length_only_terms(p: Problem, is_causal: bool, keys: Any, rows: Any, *, merge: bool) -> Terms:
+    """Lengths under the kernel's own ``is_causal`` (or no positional rule): the key mask
+    broadcasts over the rows, and the rows without an admissible key, known from the
+    lengths, are fixed afterwards (the kernels give such rows zeros, not NaN)."""
+    xp = p.xp
+    if keys is None:  # query lengths only: every key
+        return Terms(is_causal, None, None, rows)
+    if merge:
+        dtype = kernel_dtype(p)
+        zero = xp.asarray(0.0, dtype=dtype, device=p.device)
+        neg_inf = xp.asarray(-math.inf, dtype=dtype, device=p.device)
+        return Terms(is_causal, None, xp.where(keys, zero, neg_inf), rows)
+    return Terms(is_causal, keys, None, rows)
 
 
 def fix_empty_rows(p: Problem, terms: Terms, out: Any, lse: Any) -> tuple[Any, Any]:

@@ -83,8 +83,9 @@ def _torch_cpu_flash() -> Any:
 
 
 def plan_torch_cpu_flash(p: Problem, req: Request) -> Delegation:
-    """torch's CPU flash-attention kernel, which also returns the log-sum-exp."""
-    common_checks(p, req)
+    """torch's CPU flash-attention kernel, which also returns the log-sum-exp; it takes
+    query and key lengths as a key mask beside its own ``is_causal``."""
+    common_checks(p, req, lengths=True)
     if p.on_gpu or str(p.device) != "cpu":
         raise refuse(f"it runs on the CPU only (device {p.device})")
     if p.Ev != p.E:
