@@ -96,6 +96,7 @@ def _pair(build, dtype=torch.float64):
     theirs.load_state_dict(ours.state_dict())
     ours.set_attn_implementation(register())
     theirs.set_attn_implementation("eager")
+    assert ours.config._attn_implementation == DEFAULT_NAME  # not a config both share
     return ours, theirs
 
 
@@ -175,23 +176,60 @@ def test_greedy_generation_matches_eager(family, cache):
             assert torch.equal(got[b], expected[0, alone.shape[1] :]), f"sequence {b}"
 
 
-def test_unpadded_causal_calls_pass_no_mask(monkeypatch):
-    """Without padding transformers leaves the mask out, and the kernel gets ``is_causal``,
-    not an (L, S) mask."""
+def _spy_calls(monkeypatch):
+    """The restriction options of every attention call the adapter makes."""
     from sdpa_array.integrations import transformers as adapter
 
     seen = []
     original = adapter.scaled_dot_product_attention
+    names = ("mask", "mask_mod", "is_causal", "window", "padding_side", "key_lengths")
 
     def spy(*args, **kwargs):
-        seen.append((kwargs.get("mask"), kwargs.get("is_causal")))
+        found = {n: kwargs.get(n) for n in names}
+        if found["key_lengths"] is not None:
+            found["key_lengths"] = found["key_lengths"].tolist()
+        seen.append(found)
         return original(*args, **kwargs)
 
     monkeypatch.setattr(adapter, "scaled_dot_product_attention", spy)
+    return seen
+
+
+def test_causal_padding_reaches_the_kernel_as_options(monkeypatch):
+    """Without padding the kernel gets ``is_causal``; with a left-padded batch, key lengths
+    padded on the left: never a mask or a mask function."""
+    seen = _spy_calls(monkeypatch)
     ours, _ = _pair(_llama)
+    ids, mask, positions = _batch(padded=True)
     with torch.no_grad():
-        ours(torch.tensor([[5, 17, 3, 44]]))
-    assert seen == [(None, True)] * 2
+        ours(ids[:1, :4])
+        ours(ids, attention_mask=mask, position_ids=positions)
+    plain = dict(mask=None, mask_mod=None, is_causal=True, window=None)
+    assert seen[:2] == [{**plain, "padding_side": None, "key_lengths": None}] * 2
+    assert seen[2:] == [{**plain, "padding_side": "left", "key_lengths": [8, 5]}] * 2
+
+
+def test_a_bert_encoder_matches_eager_with_right_padding(monkeypatch):
+    """A bidirectional encoder (BERT) with a right-padded batch: its hidden states at the
+    real tokens equal eager's, and its calls get key lengths, not a mask."""
+    config = dict(
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+    )  # a config each: the implementation is the config's
+    ours, theirs = _pair(lambda: transformers.BertModel(transformers.BertConfig(**config)))
+    ids = torch.tensor([[5, 17, 3, 44, 9, 61], [1, 2, 3, 12, 0, 0]])
+    mask = (ids != 0).long()
+    seen = _spy_calls(monkeypatch)
+    with torch.no_grad():
+        a = ours(ids, attention_mask=mask).last_hidden_state[mask.bool()]
+        b = theirs(ids, attention_mask=mask).last_hidden_state[mask.bool()]
+    _close(a, b, "hidden states")
+    expected = dict(mask=None, mask_mod=None, is_causal=False, window=None)
+    assert seen == [{**expected, "padding_side": "right", "key_lengths": [6, 4]}] * 2
 
 
 #: Three sequences packed into one row (FlashAttention's offsets), as transformers'
@@ -238,3 +276,93 @@ def test_register_refuses_transformers_own_names():
     for bad in ("sdpa", "eager", "flash_attention_2", "", None):
         with pytest.raises(ValueError, match="name must be a new attention implementation"):
             register(bad)
+
+
+def _padding_mask(rows, n):
+    """A 2-D padding mask of ``n`` positions: ``"left"``/``"right"`` with that many real
+    tokens, or an explicit 0/1 list."""
+    out = []
+    for row in rows:
+        side, count = row if isinstance(row, tuple) else (None, row)
+        if side == "left":
+            out.append([0] * (n - count) + [1] * count)
+        elif side == "right":
+            out.append([1] * count + [0] * (n - count))
+        else:
+            out.append(list(count))
+    return torch.tensor(out, dtype=torch.bool)
+
+
+def _patterns():
+    from transformers import masking_utils as m
+
+    return {
+        "causal": m.causal_mask_function,
+        "bidirectional": m.bidirectional_mask_function,
+        "sliding3": m.sliding_window_causal_mask_function(3),
+        "bidirectional_window2": m.sliding_window_bidirectional_mask_function(2),
+        "chunked2": m.chunked_causal_mask_function(2, torch.tensor([0, 1])),
+        "causal_or_prefix": m.or_masks(m.causal_mask_function, lambda b, h, q, kv: kv < 2),
+    }
+
+
+#: (pattern, q_length, kv_length, q_offset, kv_offset, padding rows, padded positions,
+#: expected form): prefill, decode, a static cache (keys past the queries), a sliding
+#: cache (kv_offset > 0), encoders and cross-attention, and the masks only a mask_mod says.
+RESTRICTIONS = [
+    ("causal", 6, 6, 0, 0, None, 0, "options"),
+    ("causal", 6, 6, 0, 0, [("left", 6), ("left", 3)], 6, "options"),
+    ("causal", 6, 6, 0, 0, [("right", 6), ("right", 4)], 6, "options"),
+    ("causal", 1, 6, 5, 0, [("left", 6), ("left", 2)], 6, "options"),
+    ("causal", 2, 10, 4, 0, [("left", 6), ("left", 4)], 6, "options"),
+    ("causal", 2, 10, 4, 0, None, 0, "options"),
+    ("sliding3", 6, 6, 0, 0, [("left", 6), ("left", 4)], 6, "options"),
+    ("sliding3", 1, 4, 9, 6, [("left", 10), ("left", 7)], 10, "options"),
+    ("sliding3", 2, 4, 8, 6, None, 0, "options"),
+    ("bidirectional", 6, 6, 0, 0, [("right", 6), ("right", 2)], 6, "options"),
+    ("bidirectional", 6, 6, 0, 0, [("left", 5), ("left", 0)], 6, "options"),
+    ("bidirectional", 3, 5, 0, 0, [("right", 5), ("right", 3)], 5, "options"),
+    ("bidirectional_window2", 6, 6, 0, 0, [("left", 6), ("left", 4)], 6, "options"),
+    ("bidirectional_window2", 6, 6, 0, 0, [("right", 6), ("right", 4)], 6, "options"),
+    ("causal", 6, 6, 0, 0, [(None, [1, 0, 1, 1, 1, 1]), ("left", 6)], 6, "mask_mod"),
+    ("causal", 1, 6, 5, 0, [("right", 6), ("right", 4)], 6, "mask_mod"),
+    ("chunked2", 6, 6, 0, 0, [("left", 6), ("left", 5)], 6, "mask_mod"),
+    ("causal_or_prefix", 6, 6, 0, 0, None, 0, "mask_mod"),
+]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "L", "S", "q_offset", "kv_offset", "rows", "n", "form"), RESTRICTIONS
+)
+def test_restrictions_equal_transformers_masks(pattern, L, S, q_offset, kv_offset, rows, n, form):
+    """The adapter's mask builder against transformers' own ``sdpa_mask`` on the same
+    arguments: the call with its options (keys cut to ``kv_stop``) equals the oracle
+    with transformers' dense mask, every row included; transformers' own patterns become
+    options, never a mask, and the rest a ``mask_mod``."""
+    from transformers.masking_utils import sdpa_mask
+
+    from sdpa_array import scaled_dot_product_attention
+    from sdpa_array.integrations._transformers_masks import build_restriction
+    from sdpa_array.testing import assert_close_to_oracle
+
+    function = _patterns()[pattern]
+    padding = None if rows is None else _padding_mask(rows, n)
+    args = dict(
+        batch_size=2,
+        q_length=L,
+        kv_length=S,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=function,
+        attention_mask=padding,
+    )
+    dense = sdpa_mask(**args, allow_is_causal_skip=False)
+    restriction = build_restriction(**args)
+    assert ("mask_mod" in restriction.options) == (form == "mask_mod")
+    assert "mask" not in restriction.options
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n_, 4, dtype=torch.float64, generator=g) for n_ in (L, S, S))
+    stop = S if restriction.kv_stop is None else restriction.kv_stop
+    out = scaled_dot_product_attention(q, k[:, :, :stop], v[:, :, :stop], **restriction.options)
+    assert not bool(dense[..., stop:].any())  # the keys cut off are masked there too
+    assert_close_to_oracle(out, q, k[:, :, :stop], v[:, :, :stop], mask=dense[..., :stop])

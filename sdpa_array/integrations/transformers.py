@@ -1,8 +1,8 @@
 """Hugging Face transformers' models through :func:`sdpa_array.scaled_dot_product_attention`.
 
 :func:`register` adds :func:`attention_forward` to transformers' ``AttentionInterface``
-(and transformers' boolean mask builder to its ``AttentionMaskInterface``) under a name,
-so that a model loaded or built with ``attn_implementation=name`` (or switched with
+(and :func:`~._transformers_masks.build_restriction` to its ``AttentionMaskInterface``)
+under a name, so that a model loaded or built with ``attn_implementation=name`` (or switched with
 ``model.set_attn_implementation(name)``) computes every attention layer with this library.
 
 >>> import torch
@@ -16,14 +16,17 @@ so that a model loaded or built with ``attn_implementation=name`` (or switched w
 >>> model(torch.tensor([[1, 2, 3]])).logits.shape
 torch.Size([1, 3, 64])
 
-What reaches the kernel: causal attention as ``is_causal`` where transformers leaves the
-mask out (no padding), else its boolean mask (True = attend, this library's polarity);
-an additive float mask as the boolean mask of its finite-above-minimum entries plus the
-rest as a bias (transformers fills masked entries with the dtype's minimum, which would
-make a fully masked row uniform instead of empty); fewer key/value heads than query heads
-as ``enable_gqa``; ``scaling``, ``softcap`` (Gemma 2) and ``s_aux`` sinks (gpt-oss); a
-T5-style ``position_bias`` as a bias; dropout (training only) with a seed drawn from
-torch's generator; ``output_attentions`` as the weights.
+What reaches the kernel: each layer type's mask as options, never an ``(L, S)`` array
+(:mod:`~sdpa_array.integrations._transformers_masks`): transformers' causal, bidirectional
+and sliding-window patterns as ``is_causal``, ``alignment`` and ``window``, left or right
+padding as ``key_lengths`` with ``padding_side``, and any other mask as a ``mask_mod``
+(transformers' own function); a 4-D mask the caller prepared as the boolean mask of its
+finite-above-minimum entries plus the rest as a bias (transformers fills masked entries
+with the dtype's minimum, which would make a fully masked row uniform instead of empty).
+Fewer key/value heads than query heads go as ``enable_gqa``; ``scaling``, ``softcap``
+(Gemma 2) and ``s_aux`` sinks (gpt-oss) as themselves; a T5-style ``position_bias`` as a
+bias; dropout (training only) with a seed drawn from torch's generator;
+``output_attentions`` as the weights.
 
 Packed sequences (a batch of one row holding several sequences, as transformers'
 ``DataCollatorWithFlattening`` gives them with ``return_flash_attn_kwargs=True``): where the
@@ -42,6 +45,7 @@ from typing import Any
 import torch
 
 from .. import scaled_dot_product_attention, scaled_dot_product_attention_varlen
+from ._transformers_masks import LayerRestriction, build_restriction
 
 __all__ = ["DEFAULT_NAME", "attention_forward", "register"]
 
@@ -70,7 +74,7 @@ def register(name: str = DEFAULT_NAME) -> str:
         implementations.
     """
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     builtin = {"sdpa", "eager", "flex_attention", "paged|eager"}
     if not isinstance(name, str) or not name or name in builtin or name.startswith("flash"):
@@ -79,7 +83,7 @@ def register(name: str = DEFAULT_NAME) -> str:
             f"own ({sorted(builtin)}, flash_attention_*); got {name!r}"
         )
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, build_restriction)
     return name
 
 
@@ -129,8 +133,9 @@ def attention_forward(
         Its keys (the cache's, in generation), ``Hq`` a multiple of ``Hkv``.
     value : torch.Tensor, shape (B, Hkv, S, Ev)
         Its values.
-    attention_mask : torch.Tensor or None
-        Boolean (True = attend) or additive, broadcastable to ``(B, Hq, L, S)``.
+    attention_mask : LayerRestriction, torch.Tensor or None
+        What the registered mask builder made (the mask as options), or a prepared mask,
+        boolean (True = attend) or additive, broadcastable to ``(B, Hq, L, S)``.
     dropout : float
         Dropout probability on the weights (applied when the module is training).
     scaling : float or None
@@ -156,15 +161,20 @@ def attention_forward(
     """
     L = int(query.shape[2])
     causal_layer = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
-    causal = bool(causal_layer and attention_mask is None and L > 1)
-    mask, bias = _mask_and_bias(attention_mask, position_bias, query.dtype)
-    options: dict[str, Any] = {
-        "mask": mask,
-        "bias": bias,
-        "is_causal": causal,
-        "scale": scaling,
-        "enable_gqa": int(query.shape[1]) != int(key.shape[1]),
-    }
+    options: dict[str, Any] = {"scale": scaling}
+    if isinstance(attention_mask, LayerRestriction):  # from our mask builder
+        if attention_mask.kv_stop is not None:
+            key = key[:, :, : attention_mask.kv_stop]
+            value = value[:, :, : attention_mask.kv_stop]
+        options.update(attention_mask.options)
+        options["bias"] = _mask_and_bias(None, position_bias, query.dtype)[1]
+    else:  # a mask transformers did not build with us (given 4-D, or None)
+        options["mask"], options["bias"] = _mask_and_bias(
+            attention_mask, position_bias, query.dtype
+        )
+        options["is_causal"] = bool(causal_layer and attention_mask is None and L > 1)
+    bias = options["bias"]
+    options["enable_gqa"] = int(query.shape[1]) != int(key.shape[1])
     if kwargs.get("softcap") is not None:
         options["softcap"] = float(kwargs["softcap"])
     if kwargs.get("s_aux") is not None:
@@ -208,7 +218,8 @@ def _varlen_forward(
 ) -> tuple[torch.Tensor, None]:
     """The packed row's sequences, each attending within itself (causal where the layer
     is): ``(1, L, Hq, E)``."""
-    packed = {n: v for n, v in options.items() if n not in ("mask", "bias", "is_causal")}
+    restriction = ("mask", "bias", "is_causal", "alignment", "window", "mask_mod")
+    packed = {n: v for n, v in options.items() if n not in restriction}
     window = kwargs.get("sliding_window")
     if window is not None:  # transformers' window counts the query itself
         packed["window"] = (int(window) - 1, 0)
