@@ -84,6 +84,7 @@ class Case:
     new_value: np.ndarray | None
     table: np.ndarray | None  # None: contiguous
     page_size: int
+    starts: list[int] | None = None  # cache_leftpad: the slots before stay NaN
 
     @property
     def capacity(self) -> int:
@@ -110,6 +111,7 @@ def make_case(
     spare: int = SPARE,
     order: list[int] | None = None,
     n_query: int = L,
+    starts: list[int] | None = None,
 ) -> Case:
     rng = np.random.default_rng(zlib.crc32(seed.encode()))
     b_count = len(lengths)
@@ -131,9 +133,10 @@ def make_case(
         rng.standard_normal((b_count, heads_kv, n_query, EV)) if new else None,
         table,
         page_size,
+        starts,
     )
     for b, n in enumerate(lengths):
-        for t in range(n):
+        for t in range(0 if starts is None else starts[b], n):
             page, row = case.slot(b, t)
             k[page, :, row] = rng.standard_normal((heads_kv, E))
             v[page, :, row] = rng.standard_normal((heads_kv, EV))
@@ -197,6 +200,11 @@ def check_against_oracle(
         keys, vals = gathered(case, k_after, b, n), gathered(case, v_after, b, n)
         m, bi = term_of(case, mask, b, n), term_of(case, bias, b, n)
         kwargs = dict(options, alignment="bottom_right", mask=m, bias=bi)
+        if case.starts is not None:  # the oracle's left padding: the last n - start keys
+            first = case.starts[b]
+            assert np.isnan(keys[:, :first]).all(), "the padding slots hold NaN"
+            keys, vals = np.nan_to_num(keys), np.nan_to_num(vals)
+            kwargs.update(key_lengths=n - first, padding_side="left")
         ref_out, ref_lse = reference.scaled_dot_product_attention(
             q64[b], keys, vals, return_lse=True, **kwargs
         )
@@ -248,9 +256,11 @@ def run(
     k_before, v_before = heads_first(xk), heads_first(xv)
     lengths: Any = case.lengths
     table: Any = case.table
+    starts: Any = case.starts
     if lengths_as == "array":  # integer arrays of the inputs' library
         lengths = backend.asarray(np.asarray(case.lengths, dtype=np.int64))
         table = None if table is None else backend.asarray(table)
+        starts = None if starts is None else backend.asarray(np.asarray(starts, np.int64))
     xmask = None if mask is None else backend.asarray(mask)
     xbias = None if bias is None else backend.asarray(bias, dtype)
     result = attention_with_kv_cache(
@@ -258,6 +268,7 @@ def run(
         xk,
         xv,
         cache_lengths=lengths,
+        cache_leftpad=starts,
         new_key=new[0],
         new_value=new[1],
         block_table=table,
@@ -378,6 +389,48 @@ def test_lengths_and_table_as_arrays(backend, paged):
         enable_gqa=True,
         return_lse=True,
     )
+
+
+#: cache_leftpad beside NEW_LENGTHS / CACHED_LENGTHS: none, some, and (cached) a sequence
+#: that is all padding (no token: a zero output and a log-sum-exp of -inf).
+NEW_STARTS = [0, 3, 5]
+CACHED_STARTS = [0, 7, 2]
+
+#: (id, paged, new tokens, options) of the left-padded cases.
+LEFT_PADDED = [
+    ("left-contiguous-new-causal-gqa", False, True, dict(is_causal=True, enable_gqa=True)),
+    ("left-contiguous-cached-window", False, False, dict(window=(3, 1))),
+    ("left-paged-new-mask-bias", True, True, dict(is_causal=True, mask=1, bias=1)),
+    ("left-paged-cached-softcap-splits", True, False, dict(softcap=1.5, num_splits=4)),
+]
+
+
+@pytest.mark.parametrize(
+    ("config", "paged", "new", "options"), LEFT_PADDED, ids=[c[0] for c in LEFT_PADDED]
+)
+def test_left_padded_cache_matches_oracle(backend_dtype, config, paged, new, options):
+    """``cache_leftpad``: the slots before each start hold NaN and are never read; the
+    oracle attends the last ``n_b - start`` of the gathered tokens (its own left padding,
+    ``key_lengths`` with ``padding_side="left"``), the diagonals unmoved."""
+    backend, dtype = backend_dtype
+    options = dict(options)
+    mask = _mask(config) if options.pop("mask", None) else None
+    bias = _bias(config) if options.pop("bias", None) else None
+    lengths, starts = (NEW_LENGTHS, NEW_STARTS) if new else (CACHED_LENGTHS, CACHED_STARTS)
+    heads_kv = 2 if options.get("enable_gqa") else 4
+    case = make_case(
+        config, lengths=lengths, new=new, paged=paged, starts=starts, heads_kv=heads_kv
+    )
+    run(backend, dtype, case, mask=mask, bias=bias, return_lse=True, **options)
+
+
+def test_left_padding_as_arrays(backend):
+    """``cache_leftpad`` as an integer array of the inputs' library (lazy Dask arrays are
+    not read: the starts then enter the masks, and the values before them are zeroed)."""
+    case = make_case(
+        "left-arrays", lengths=NEW_LENGTHS, new=True, paged=True, starts=NEW_STARTS, heads_kv=4
+    )
+    run(backend, "float32", case, lengths_as="array", is_causal=True, return_lse=True)
 
 
 def _pieces_spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
@@ -635,6 +688,20 @@ BAD = [
         r"multiple of the cache's heads \(2\)",
     ),
     ("heads differ", dict(enable_gqa=False), ValueError, r"pass enable_gqa=True"),
+    ("leftpad shape", dict(cache_leftpad=[0]), ValueError, r"cache_leftpad must have shape"),
+    ("leftpad floats", dict(cache_leftpad=[0.5, 1.0]), TypeError, r"cache_leftpad must hold"),
+    (
+        "leftpad negative",
+        dict(cache_leftpad=[0, -1]),
+        ValueError,
+        r"cache_leftpad\[1\] = -1: each start must be non-negative",
+    ),
+    (
+        "leftpad past the tokens",
+        dict(cache_leftpad=[5, 0]),
+        ValueError,
+        r"cache_leftpad\[0\] = 5: .* at most the 4 attended tokens",
+    ),
     ("new_key alone", dict(new_value=None), ValueError, r"new_key was given without new_value"),
     ("new_value alone", dict(new_key=None), ValueError, r"new_value was given without new_key"),
     (

@@ -38,7 +38,15 @@ from sdpa_array._kernels.triton.decoding import (
     decode_splits,
 )
 from sdpa_array.testing.backends import Backend
-from tests.test_kv_cache import CACHED_LENGTHS, HQ, NEW_LENGTHS, make_case, run
+from tests.test_kv_cache import (
+    CACHED_LENGTHS,
+    CACHED_STARTS,
+    HQ,
+    NEW_LENGTHS,
+    NEW_STARTS,
+    make_case,
+    run,
+)
 
 # the backends and dtypes the kernels run on here (test_triton.py skips this module too
 # where there are none)
@@ -96,6 +104,19 @@ def test_decoding_kernel_matches_oracle(
     run(backend, dtype, case, implementation="triton", **options)
     assert len(spy) == 1, "the decoding kernel did not run"
     assert spy[0].groups == HQ // heads_kv
+
+
+@pytest.mark.parametrize("new", [True, False], ids=["new", "cached"])
+@pytest.mark.parametrize("pair", PAIRS, ids=[f"{b.id}-{d}" for b, d in PAIRS])
+def test_left_padded_cache(pair: tuple[Backend, str], new: bool, spy: list) -> None:
+    """``cache_leftpad``: the kernel starts each sequence at its first token (the slots
+    before hold NaN), with a window and splits that begin inside the padding."""
+    backend, dtype = pair
+    backend.configure()
+    lengths, starts = (NEW_LENGTHS, NEW_STARTS) if new else (CACHED_LENGTHS, CACHED_STARTS)
+    case = make_case("left", lengths=lengths, new=new, paged=True, heads_kv=4, starts=starts)
+    run(backend, dtype, case, implementation="triton", window=(4, 0), num_splits=4)
+    assert len(spy) == 1, "the decoding kernel did not run"
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[f"{b.id}-{d}" for b, d in PAIRS])
@@ -234,7 +255,7 @@ def test_splits_cover_the_longest_sequence() -> None:
     q = backend.asarray(np.zeros((1, 8, 1, 16)), "float32")
     pages = backend.asarray(np.zeros((4, 2, 64, 16)), "float32")
     for longest, wanted in ((0, None), (1, 5), (64, 2), (1000, 3), (1000, None), (1000, 100)):
-        call = DecodeCall(q, pages, pages, q, q, longest, 1.0, None, None, None, wanted)
+        call = DecodeCall(q, pages, pages, q, q, q, longest, 1.0, None, None, None, wanted)
         splits, chunk = decode_splits(call)
         assert chunk % BLOCK_N == 0
         assert splits >= 1

@@ -22,6 +22,7 @@ def attention_with_kv_cache(
     /,
     *,
     cache_lengths: Array | list[int],
+    cache_leftpad: Array | list[int] | None = None,
     new_key: Array | None = None,
     new_value: Array | None = None,
     block_table: Array | list[list[int]] | None = None,
@@ -48,6 +49,13 @@ def attention_with_kv_cache(
     cache_lengths : array or list of int, shape (B,)
         Tokens already in each sequence's cache: an integer array of the inputs' library, a
         NumPy array or a list of ints.
+    cache_leftpad : array or list of int, shape (B,), optional
+        Where each sequence's tokens start (FlashAttention's ``cache_leftpad``): a batch
+        padded on the left, as batched generation fills a cache, attends tokens
+        ``[cache_leftpad[b], n_b)`` only (``n_b`` the attended tokens below); the slots
+        before are never read. Positions stay the cache's: the diagonals do not move. 0
+        for every sequence by default; each at most ``n_b``. Same kinds as
+        ``cache_lengths``.
     new_key, new_value : array, shape (B, Hkv, L, E) and (B, Hkv, L, Ev), optional
         Both or neither. Written at token positions ``cache_lengths[b] ...
         cache_lengths[b] + L - 1`` before attending; the query then attends tokens
@@ -194,6 +202,7 @@ def attention_with_kv_cache(
             views[1],
             views[2],
             cache_lengths=cache_lengths,
+            cache_leftpad=cache_leftpad,
             new_key=views[3],
             new_value=views[4],
             block_table=block_table,
@@ -217,6 +226,7 @@ def attention_with_kv_cache(
         block_table=block_table,
         num_splits=num_splits,
         options=options,
+        cache_leftpad=cache_leftpad,
     )
     caches = write_tokens(c)
     out, lse, max_scores = _attend(c, caches)

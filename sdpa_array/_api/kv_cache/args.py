@@ -28,6 +28,7 @@ from ..._problem.band import window_bounds
 from ..._problem.options import Options
 from ..._problem.problem import Inputs, Problem, validate
 from ..._problem.scalar_options import check_flag
+from .starts import check_starts
 
 __all__ = ["CacheCall", "check_call"]
 
@@ -102,6 +103,7 @@ class CacheCall:
     page_size: int
     capacity: int
     lengths: tuple[int, ...] | Array
+    starts: tuple[int, ...] | Array | None  # cache_leftpad (.starts), None: 0
     table: np.ndarray | Array
     num_splits: int | None
     mask: Array | None
@@ -165,10 +167,10 @@ def _check_options(options: dict[str, Any]) -> None:
 
 
 def _namespace(named: dict[str, Any]) -> ModuleType:
-    """The inputs' namespace; ``cache_lengths``/``block_table`` may also be NumPy or lists."""
-    arrays = {k: v for k, v in named.items() if k not in ("cache_lengths", "block_table")}
-    xp = array_namespace(arrays)
-    for name in ("cache_lengths", "block_table"):
+    """The inputs' namespace; the integer arguments may also be NumPy arrays or lists."""
+    integer = ("cache_lengths", "cache_leftpad", "block_table")
+    xp = array_namespace({k: v for k, v in named.items() if k not in integer})
+    for name in integer:
         value = named.get(name)
         if value is None or isinstance(value, (list, tuple, np.ndarray)):
             continue
@@ -350,6 +352,7 @@ def check_call(
     block_table: Any,
     num_splits: Any,
     options: dict[str, Any],
+    cache_leftpad: Any = None,
 ) -> CacheCall:
     """Check every argument of the cache function and return the call they describe.
 
@@ -360,9 +363,9 @@ def check_call(
         non-integer lengths or block table, a ``num_splits`` that is not an int, an unknown
         option.
     ValueError
-        Shapes that do not fit, a cache too small for ``cache_lengths + L`` or a block table
-        pointing outside the pages (where the values can be read), ``new_key`` without
-        ``new_value``, out-of-range options.
+        Shapes that do not fit, a cache too small for ``cache_lengths + L``, a block table
+        pointing outside the pages or a ``cache_leftpad`` past the tokens (where the values
+        can be read), ``new_key`` without ``new_value``, out-of-range options.
     """
     _check_options(options)
     named = {
@@ -374,11 +377,14 @@ def check_call(
         "mask": options.get("mask"),
         "bias": options.get("bias"),
         "cache_lengths": cache_lengths,
+        "cache_leftpad": cache_leftpad,
         "block_table": block_table,
     }
     xp = _checked_arrays(named, bool(options.get("enable_gqa", False)))
     lengths, table, capacity = _layout(xp, named)
     host_lengths = lengths if isinstance(lengths, np.ndarray) else None
+    new = int(query.shape[2]) if new_key is not None else 0
+    starts = check_starts(xp, cache_leftpad, int(query.shape[0]), host_lengths, new, _integers)
     implementation, problem = _checked_options(named, options)
     B, Hq, L, _ = (int(n) for n in query.shape)
     paged = block_table is not None
@@ -398,6 +404,7 @@ def check_call(
         page_size=int(key_cache.shape[2]),
         capacity=capacity,
         lengths=tuple(host_lengths.tolist()) if host_lengths is not None else lengths,
+        starts=starts,
         table=table,
         num_splits=_num_splits(num_splits),
         mask=_term(xp, "mask", named["mask"], scores, what),

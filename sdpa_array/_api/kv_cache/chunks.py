@@ -68,17 +68,31 @@ def _pieces_of_range(b: int, start: int, stop: int, ps: int) -> list[_Piece]:
     return pieces
 
 
-def _bands(c: CacheCall, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """First and last admissible token of each query (``lo > hi``: none) for ``n`` tokens."""
+def _bands(c: CacheCall, n: int, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """First and last admissible token of each query (``lo > hi``: none) for ``n`` tokens
+    of which those from ``first`` on are the sequence's (``cache_leftpad``)."""
     diag = n - c.L + np.arange(c.L)
     left, right = c.window if c.window is not None else (None, None)
-    lo = np.maximum(0, diag - left) if left is not None else np.zeros(c.L, dtype=np.int64)
+    lo = np.maximum(first, diag - left) if left is not None else np.full(c.L, first)
     hi = np.full(c.L, n - 1)
     if c.is_causal:
         hi = np.minimum(hi, diag)
     if right is not None:
         hi = np.minimum(hi, diag + right)
     return lo, hi
+
+
+def _host_start(c: CacheCall, b: int) -> int:
+    """Sequence ``b``'s first token where ``cache_leftpad`` is known on the host (else 0:
+    the start then enters the masks)."""
+    return c.starts[b] if isinstance(c.starts, tuple) else 0
+
+
+def _start(c: CacheCall, b: int) -> Any:
+    """Sequence ``b``'s first token: an int, or a 0-d array where it cannot be read."""
+    if c.starts is None or isinstance(c.starts, tuple):
+        return _host_start(c, b)
+    return c.starts[b]
 
 
 def _itemsize(c: CacheCall) -> int:
@@ -93,7 +107,7 @@ def _plan(c: CacheCall) -> list[_Piece]:
         if lengths is None:
             ranges.append((0, c.capacity))
             continue
-        lo, hi = _bands(c, lengths[b] + c.new_tokens)
+        lo, hi = _bands(c, lengths[b] + c.new_tokens, _host_start(c, b))
         some = lo <= hi
         ranges.append((int(lo[some].min()), int(hi[some].max()) + 1) if some.any() else (0, 0))
     longest = max((stop - start for start, stop in ranges), default=0)
@@ -137,18 +151,18 @@ def _positions(c: CacheCall, piece: _Piece) -> Array:
     return (pages + piece.j0) * c.page_size + piece.r0 + rows
 
 
-def _band_mask(c: CacheCall, piece: _Piece, n: Any) -> Array | None:
-    """Which (query, token) pairs the lengths, ``is_causal`` and ``window`` admit, from
-    global positions, ``(count, 1, L|1, rows)``; ``None`` where the piece is admissible
-    for every query (known lengths only)."""
+def _band_mask(c: CacheCall, piece: _Piece, n: Any, first: Any) -> Array | None:
+    """Which (query, token) pairs the lengths, the start ``first``, ``is_causal`` and
+    ``window`` admit, from global positions, ``(count, 1, L|1, rows)``; ``None`` where the
+    piece is admissible for every query (known lengths and start only)."""
     xp, L = c.xp, c.L
-    if isinstance(n, int):
-        lo, hi = _bands(c, n)
+    if isinstance(n, int) and isinstance(first, int):
+        lo, hi = _bands(c, n, first)
         ps = c.page_size
         if bool(np.all(lo <= piece.first(ps))) and bool(np.all(hi >= piece.last(ps))):
             return None
     t = xp.expand_dims(_positions(c, piece), axis=1)  # (count, 1, rows)
-    ok = t < n
+    ok = (t < n) & (t >= first)
     diag = n - L + xp.reshape(xp.arange(L, device=c.device), (L, 1))
     left, right = c.window if c.window is not None else (None, None)
     if c.is_causal:
@@ -184,10 +198,13 @@ def _attend_piece(c: CacheCall, caches: tuple[Array, Array], piece: _Piece) -> t
     b = piece.b
     lengths = c.host_lengths
     n = lengths[b] + c.new_tokens if lengths is not None else c.lengths[b] + c.new_tokens
+    first = _start(c, b)
     k, v = _gather(c, caches[0], piece), _gather(c, caches[1], piece)
-    mask = _band_mask(c, piece, n)
-    if lengths is None:  # slots beyond the length may hold anything (NaN): 0 * NaN is NaN
-        valid = xp.reshape(_positions(c, piece) < n, (piece.count, 1, piece.rows, 1))
+    mask = _band_mask(c, piece, n, first)
+    if lengths is None or not isinstance(first, int):
+        # slots outside the tokens may hold anything (NaN): 0 * NaN is NaN
+        t = _positions(c, piece)
+        valid = xp.reshape((t < n) & (t >= first), (piece.count, 1, piece.rows, 1))
         v = xp.where(valid, v, xp.zeros((), dtype=v.dtype, device=c.device))
     user = _term_piece(c, c.mask, piece)
     if user is not None:

@@ -63,6 +63,12 @@ def decode_call(c: CacheCall, caches: tuple[Array, Array]) -> DecodeCall | None:
         host = np.asarray(c.host_lengths, dtype=np.int64) + c.new_tokens
         attended = xp.asarray(host.astype(np.int32), device=dev)
         longest = int(host.max(initial=0))
+    if c.starts is None:
+        starts = xp.zeros((c.B,), dtype=xp.int32, device=dev)
+    elif isinstance(c.starts, tuple):
+        starts = xp.asarray(np.asarray(c.starts, dtype=np.int32), device=dev)
+    else:
+        starts = xp.astype(c.starts, xp.int32)
     left, right = c.window if c.window is not None else (None, None)
     uppers = [u for u in (0 if c.is_causal else None, right) if u is not None]
     return DecodeCall(
@@ -71,6 +77,7 @@ def decode_call(c: CacheCall, caches: tuple[Array, Array]) -> DecodeCall | None:
         value_pages=caches[1],
         table=table,
         attended=attended,
+        starts=starts,
         longest=longest,
         scale=float(p.scale),
         softcap=p.softcap,

@@ -8,12 +8,12 @@ cache is one page per sequence), and keeps FlashAttention's online softmax: the 
 partial output (normalised) and log-sum-exp go to float32 buffers, which
 :func:`~sdpa_array._arrays.merge.merge_attention_states` merges over the splits (flash-decoding).
 
-Token ``t`` of sequence ``b`` is admissible for query ``i`` when ``t < n_b`` (the attended
-tokens) and it lies in the band around the bottom-right diagonal ``n_b - L + i``:
-``t <= diagonal + upper`` (``upper`` 0 under ``is_causal``, or the window's right side) and
-``t >= diagonal - left``. Tokens past ``n_b`` are never loaded, so the cache may hold
-anything there. A row with no admissible token in a split gets a zero output and a
-log-sum-exp of ``-inf``.
+Token ``t`` of sequence ``b`` is admissible for query ``i`` when ``start_b <= t < n_b`` (the
+attended tokens, past the left padding) and it lies in the band around the bottom-right
+diagonal ``n_b - L + i``: ``t <= diagonal + upper`` (``upper`` 0 under ``is_causal``, or the
+window's right side) and ``t >= diagonal - left``. Tokens outside ``[start_b, n_b)`` are
+never loaded, so the cache may hold anything there. A row with no admissible token in a
+split gets a zero output and a log-sum-exp of ``-inf``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ __all__ = ["decode_kernel"]
 
 @jit
 def decode_kernel(
-    Q, K, V, Table, Attended, OutPart, LsePart,
+    Q, K, V, Table, Attended, Starts, OutPart, LsePart,
     sq_b, sq_h, sq_m, sq_e,
     sk_p, sk_h, sk_s, sk_e,
     sv_p, sv_h, sv_s, sv_e,
@@ -49,7 +49,8 @@ def decode_kernel(
 
     ``Q`` is ``(B, HKV * G, L, E)``; ``K``/``V`` are pages ``(P, HKV, PAGE, E|EV)``;
     ``Table`` ``(B, max_pages)`` maps token ``t`` of sequence ``b`` to page ``Table[b, t //
-    PAGE]``, row ``t % PAGE``; ``Attended`` ``(B,)`` holds ``n_b``. Row ``r`` of a tile is
+    PAGE]``, row ``t % PAGE``; ``Attended`` ``(B,)`` holds ``n_b`` and ``Starts`` ``(B,)``
+    the first token (tokens before it are padding, never loaded). Row ``r`` of a tile is
     query head ``h * G + r // L``, query ``r % L``. ``qk_scale`` is ``scale * log2(e)``;
     with ``SOFTCAP``, scores are ``tanh(qk * cap_scale) * cap_log2`` (base 2).
     """
@@ -71,7 +72,7 @@ def decode_kernel(
     diag = n - L + i
     start = split * CHUNK
     stop = tl.minimum(start + CHUNK, n)
-    lo = start
+    lo = tl.maximum(start, tl.load(Starts + b))  # every token walked lies past it
     if HAS_LEFT:  # the first token any row reaches
         lo = tl.maximum(lo, tl.min(tl.where(row_ok, diag - left, n), axis=0))
     if HAS_UPPER:  # one past the last token any row reaches

@@ -49,6 +49,9 @@ class DecodeCall:
         int32 on the query's device: the page of each block of ``page_size`` tokens.
     attended : array, shape (B,)
         int32 on the query's device: the tokens each sequence attends, ``n_b``.
+    starts : array, shape (B,)
+        int32 on the query's device: each sequence's first token (``cache_leftpad``; the
+        tokens before it are padding, never loaded).
     longest : int
         An upper bound of every ``n_b``: the largest where the lengths are known on the
         host, else the cache's capacity.
@@ -66,6 +69,7 @@ class DecodeCall:
     value_pages: Array
     table: Array
     attended: Array
+    starts: Array
     longest: int
     scale: float
     softcap: float | None
@@ -158,11 +162,12 @@ def _launch(
     so = strided(xp, out_parts, tuple(out_parts.shape), 1)
     sl = strided(xp, lse_parts, tuple(lse_parts.shape), 1)
     sa = strided(xp, call.attended, tuple(call.attended.shape), 1)
+    s0 = strided(xp, call.starts, tuple(call.starts.shape), 1)
     softcap = call.softcap
     ieee = q.dtype == xp.float32
     with device_context(q):
         decode_kernel[(B * Hkv, splits)](
-            sq.arg, sk.arg, sv.arg, st.arg, sa.arg, so.arg, sl.arg,
+            sq.arg, sk.arg, sv.arg, st.arg, sa.arg, s0.arg, so.arg, sl.arg,
             *sq.strides, *sk.strides, *sv.strides, *st.strides, *so.strides, *sl.strides,
             Hkv, G, L, E, Ev, page, chunk,
             call.left or 0, call.upper or 0,
