@@ -366,3 +366,47 @@ def test_restrictions_equal_transformers_masks(pattern, L, S, q_offset, kv_offse
     out = scaled_dot_product_attention(q, k[:, :, :stop], v[:, :, :stop], **restriction.options)
     assert not bool(dense[..., stop:].any())  # the keys cut off are masked there too
     assert_close_to_oracle(out, q, k[:, :, :stop], v[:, :, :stop], mask=dense[..., :stop])
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_decoding_steps_go_through_the_cache_function(family, cache, monkeypatch):
+    """Where decoding steps go through ``attention_with_kv_cache`` (on a CUDA device; here
+    forced on the CPU, where it runs chunk by chunk), greedy generation of a left-padded
+    batch gives the tokens it gives without that route (and, for Llama, eager's on each
+    sequence alone), and every step after the prompt (one query over more keys) went
+    through it, with each row's start."""
+    from sdpa_array.integrations import transformers as adapter
+
+    calls = []
+    original = adapter.attention_with_kv_cache
+
+    def spy(*args, **kwargs):
+        calls.append((int(args[0].shape[2]), kwargs["cache_leftpad"]))
+        return original(*args, **kwargs)
+
+    dtype, _ = SETUPS[family]
+    ours, theirs = _pair(MODELS[family], dtype)
+    ids, mask, _ = _batch(padded=True)
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    logits = {"output_logits": True, "return_dict_in_generate": True}
+    with torch.no_grad():
+        without = ours.generate(ids, attention_mask=mask, **kwargs, **logits)
+        monkeypatch.setattr(adapter, "_decodes_through_cache", lambda query: True)
+        monkeypatch.setattr(adapter, "attention_with_kv_cache", spy)
+        routed = ours.generate(ids, attention_mask=mask, **kwargs, **logits)
+        got = routed.sequences
+        assert torch.equal(got, without.sequences)
+        for step, (a, b) in enumerate(zip(routed.logits, without.logits, strict=True)):
+            _close(a, b, f"logits of step {step}")
+        for b in range(ids.shape[0] if family == "llama" else 0):
+            alone = ids[b][mask[b].bool()][None]  # Gemma 2's window counts padding slots
+            expected = theirs.generate(alone, attention_mask=torch.ones_like(alone), **kwargs)
+            assert torch.equal(got[b, ids.shape[1] :], expected[0, alone.shape[1] :])
+    layers = 2
+    assert len(calls) == 3 * layers  # the three steps after the prompt, every layer
+    assert all(n_queries == 1 for n_queries, _ in calls)
+    starts = {tuple(s) if s is not None else None for _, s in calls}
+    assert (0, 3) in starts  # the second row's three padding tokens

@@ -143,10 +143,14 @@ class LayerRestriction:
         The keys and values to keep, ``[:kv_stop]`` (``None``: all): the keys past the last
         query's position, which a causal pattern excludes (a static cache's unwritten
         slots).
+    key_lengths : tuple of int or None
+        ``options["key_lengths"]`` on the host (for the decoding route, which would
+        otherwise read them back from the device).
     """
 
     options: dict[str, Any] = field(default_factory=dict)
     kv_stop: int | None = None
+    key_lengths: tuple[int, ...] | None = None
 
     #: transformers reads a mask's ``ndim`` before building one: 4 says "prepared" (as
     #: its 4-D masks are), so that a restriction built ahead of a forward pass (generation
@@ -248,7 +252,8 @@ def build_restriction(
                     device = attention_mask.device if attention_mask is not None else None
                     options["key_lengths"] = torch.as_tensor(counts, device=device)
                     options["padding_side"] = side
-                return LayerRestriction(options, stop if stop < kv_length else None)
+                host = None if side == "none" else tuple(int(n) for n in counts)
+                return LayerRestriction(options, stop if stop < kv_length else None, host)
     padding_mask = None
     if attention_mask is not None:
         padding_mask = masking.prepare_padding_mask(attention_mask, kv_length, k0)

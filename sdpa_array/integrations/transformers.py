@@ -44,13 +44,21 @@ from typing import Any
 
 import torch
 
-from .. import scaled_dot_product_attention, scaled_dot_product_attention_varlen
+from .. import (
+    attention_with_kv_cache,
+    scaled_dot_product_attention,
+    scaled_dot_product_attention_varlen,
+)
 from ._transformers_masks import LayerRestriction, build_restriction
 
-__all__ = ["DEFAULT_NAME", "attention_forward", "register"]
+__all__ = ["DECODE_QUERIES", "DEFAULT_NAME", "attention_forward", "register"]
 
 #: The name :func:`register` uses unless given another.
 DEFAULT_NAME = "array_attention"
+
+#: A call of at most this many queries over more keys is a decoding step: on a CUDA device
+#: it goes through :func:`sdpa_array.attention_with_kv_cache` (its split-KV Triton kernel).
+DECODE_QUERIES = 8
 
 
 def register(name: str = DEFAULT_NAME) -> str:
@@ -186,6 +194,10 @@ def attention_forward(
     plain = bias is None and not kwargs.get("output_attentions", False)
     if packed is not None and plain and (kwargs.get("sliding_window") is None or causal_layer):
         return _varlen_forward(query, key, value, packed, options, bool(causal_layer), kwargs)
+    if isinstance(attention_mask, LayerRestriction) and plain:
+        out = _cache_decode(query, key, value, attention_mask, options)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
     weights = None
     if kwargs.get("output_attentions", False):
         out, weights = scaled_dot_product_attention(
@@ -194,6 +206,50 @@ def attention_forward(
     else:
         out = scaled_dot_product_attention(query, key, value, **options)
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _decodes_through_cache(query: torch.Tensor) -> bool:
+    """Whether decoding steps go through the cache function: on a CUDA device, where its
+    Triton decoding kernel runs (on the CPU, torch's flash kernel with the key lengths is
+    faster than its chunks: ``asv_benchmarks/decode_route.py``)."""
+    return query.device.type == "cuda"
+
+
+def _cache_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    restriction: LayerRestriction,
+    options: dict[str, Any],
+) -> torch.Tensor | None:
+    """A decoding step as :func:`sdpa_array.attention_with_kv_cache` over transformers'
+    cache (the keys it holds are the cache, the query's own tokens included), or ``None``
+    where that does not apply: not a decoding step, not on a CUDA device, or options the
+    cache function does not take (sinks, dropout, a mask function, right padding)."""
+    L, S = int(query.shape[2]), int(key.shape[2])
+    if not _decodes_through_cache(query) or not 0 < L <= DECODE_QUERIES or L >= S:
+        return None
+    taken = {"scale", "is_causal", "alignment", "window", "key_lengths", "padding_side"}
+    taken |= {"enable_gqa", "softcap", "bias"}
+    if any(v is not None for n, v in options.items() if n not in taken):
+        return None
+    if options.get("bias") is not None or options.get("alignment") != "bottom_right":
+        return None
+    if options.get("padding_side", "left") != "left":
+        return None
+    B = int(query.shape[0])
+    lengths = restriction.key_lengths
+    starts = None if lengths is None else [S - n for n in lengths]
+    keep = ("scale", "is_causal", "window", "enable_gqa", "softcap")
+    out: torch.Tensor = attention_with_kv_cache(
+        query,
+        key,
+        value,
+        cache_lengths=[S] * B,
+        cache_leftpad=starts,
+        **{n: options[n] for n in keep if options.get(n) is not None},
+    )[0]
+    return out
 
 
 def _packed(
