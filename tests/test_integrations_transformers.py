@@ -271,6 +271,38 @@ def test_packed_sequences_equal_each_sequence_alone(family, monkeypatch):
     assert calls == windows  # Gemma 2 alternates sliding-window and global layers
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_packed_positions_become_segment_ids(family, monkeypatch):
+    """A packed row without the offsets, only positions restarting at each sequence (what
+    transformers detects itself, without a cache: training): the logits equal eager's on
+    each sequence alone, and every layer gets the sequences as ``segment_ids``, not a
+    mask."""
+    from sdpa_array.integrations import transformers as adapter
+
+    segments = []
+    original = adapter.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        segments.append(kwargs.get("segment_ids"))
+        assert kwargs.get("mask") is None and kwargs.get("mask_mod") is None
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "scaled_dot_product_attention", spy)
+    dtype, _ = SETUPS[family]
+    ours, theirs = _pair(MODELS[family], dtype)
+    ids = torch.tensor([[token for sequence in PACKED for token in sequence]])
+    positions = torch.cat([torch.arange(len(p)) for p in PACKED])[None]
+    with torch.no_grad():
+        logits = ours(ids, position_ids=positions, use_cache=False).logits[0]
+        expected = torch.cat([theirs(torch.tensor([p])).logits[0] for p in PACKED])
+    _close(logits, expected, "logits")
+    ids_of_tokens = [n for n, p in enumerate(PACKED) for _ in p]
+    assert len(segments) == 2
+    for pair in segments:
+        assert pair is not None
+        assert [x.tolist() for x in pair] == [[ids_of_tokens]] * 2
+
+
 def test_register_refuses_transformers_own_names():
     assert register() == DEFAULT_NAME
     for bad in ("sdpa", "eager", "flash_attention_2", "", None):
@@ -303,12 +335,25 @@ def _patterns():
         "bidirectional_window2": m.sliding_window_bidirectional_mask_function(2),
         "chunked2": m.chunked_causal_mask_function(2, torch.tensor([0, 1])),
         "causal_or_prefix": m.or_masks(m.causal_mask_function, lambda b, h, q, kv: kv < 2),
+        "packed_causal": _packed_pattern(m.causal_mask_function),
+        "packed_sliding3": _packed_pattern(m.sliding_window_causal_mask_function(3)),
     }
+
+
+def _packed_pattern(pattern):
+    """``pattern`` on two rows of packed sequences, as ``create_causal_mask`` builds it."""
+    from transformers import masking_utils as m
+
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1], [0, 1, 0, 1, 2, 0]])
+    segments = m.find_packed_sequence_indices(positions)
+    remapped = m.remap_positions_for_packed_sequence(pattern, positions)
+    return m.and_masks(remapped, m.packed_sequence_mask_function(segments))
 
 
 #: (pattern, q_length, kv_length, q_offset, kv_offset, padding rows, padded positions,
 #: expected form): prefill, decode, a static cache (keys past the queries), a sliding
-#: cache (kv_offset > 0), encoders and cross-attention, and the masks only a mask_mod says.
+#: cache (kv_offset > 0), encoders and cross-attention, packed sequences found from the
+#: positions, and the masks only a mask_mod says.
 RESTRICTIONS = [
     ("causal", 6, 6, 0, 0, None, 0, "options"),
     ("causal", 6, 6, 0, 0, [("left", 6), ("left", 3)], 6, "options"),
@@ -328,6 +373,8 @@ RESTRICTIONS = [
     ("causal", 1, 6, 5, 0, [("right", 6), ("right", 4)], 6, "mask_mod"),
     ("chunked2", 6, 6, 0, 0, [("left", 6), ("left", 5)], 6, "mask_mod"),
     ("causal_or_prefix", 6, 6, 0, 0, None, 0, "mask_mod"),
+    ("packed_causal", 6, 6, 0, 0, None, 0, "segment_ids"),
+    ("packed_sliding3", 6, 6, 0, 0, None, 0, "segment_ids"),
 ]
 
 
@@ -359,6 +406,7 @@ def test_restrictions_equal_transformers_masks(pattern, L, S, q_offset, kv_offse
     dense = sdpa_mask(**args, allow_is_causal_skip=False)
     restriction = build_restriction(**args)
     assert ("mask_mod" in restriction.options) == (form == "mask_mod")
+    assert ("segment_ids" in restriction.options) == (form == "segment_ids")
     assert "mask" not in restriction.options
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, n_, 4, dtype=torch.float64, generator=g) for n_ in (L, S, S))

@@ -14,8 +14,10 @@ and the positions of the queries and keys (``q_offset``, ``kv_offset``) it retur
   :attr:`LayerRestriction.kv_stop`);
 * the padding, where every row's valid tokens are its last ones (left padding, as batched
   generation pads) or its first ones, as ``key_lengths`` with ``padding_side``;
-* anything else (a pattern of a model's own, packed sequences found from the positions,
-  padding with holes, positions the alignments cannot express) as a ``mask_mod``,
+* packed sequences that transformers finds from positions that restart (one of those
+  patterns restricted to each sequence: :func:`recognize_packed`) as ``segment_ids``;
+* anything else (a pattern of a model's own, padding with holes, positions the alignments
+  cannot express) as a ``mask_mod``,
   :class:`TransformersMask`: transformers' own function, evaluated by the kernels tile by
   tile.
 
@@ -34,7 +36,14 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["LayerRestriction", "Pattern", "TransformersMask", "build_restriction", "recognize"]
+__all__ = [
+    "LayerRestriction",
+    "Pattern",
+    "TransformersMask",
+    "build_restriction",
+    "recognize",
+    "recognize_packed",
+]
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,31 @@ def recognize(mask_function: Callable[..., Any]) -> Pattern | None:
     if isinstance(window, int) and not isinstance(window, bool) and window >= least:
         return Pattern(causal=causal, window=window)
     return None
+
+
+def recognize_packed(mask_function: Callable[..., Any]) -> tuple[Pattern, torch.Tensor] | None:
+    """The pattern and the sequence ids ``(batch, tokens)`` of a packed batch's mask
+    function (``create_causal_mask`` finds the sequences from positions that restart), or
+    ``None`` if ``mask_function`` is not one.
+
+    transformers' form: ``and_masks`` of the pattern with its positions remapped to each
+    sequence's, and the sequence-ids function. Within a sequence the positions grow by
+    one per token, so the pattern on the remapped positions is the pattern on the token
+    indices, restricted to the sequence: the same pattern beside ``segment_ids``.
+    """
+    parts = _closure(mask_function, "and_masks.<locals>.and_mask")
+    functions = None if parts is None else parts.get("mask_functions")
+    if not isinstance(functions, tuple) or len(functions) != 2:
+        return None
+    remapped = _closure(functions[0], "remap_positions_for_packed_sequence.<locals>.inner_mask")
+    ids = _closure(functions[1], "packed_sequence_mask_function.<locals>.inner_mask")
+    if remapped is None or ids is None:
+        return None
+    pattern = recognize(remapped.get("mask_function"))
+    segments = ids.get("packed_sequence_mask")
+    if pattern is None or not isinstance(segments, torch.Tensor) or segments.ndim != 2:
+        return None
+    return pattern, segments
 
 
 @dataclass(frozen=True, repr=False)
@@ -254,6 +288,17 @@ def build_restriction(
                     options["padding_side"] = side
                 host = None if side == "none" else tuple(int(n) for n in counts)
                 return LayerRestriction(options, stop if stop < kv_length else None, host)
+    packed = recognize_packed(function) if pattern is None else None
+    if packed is not None and attention_mask is None and q0 == k0 == 0:
+        found, segments = packed
+        if segments.shape == (batch_size, q_length) and q_length == kv_length:
+            options = {
+                "is_causal": found.causal,
+                "alignment": "top_left",
+                "window": found.window_option(),
+                "segment_ids": (segments, segments),
+            }
+            return LayerRestriction(options)
     padding_mask = None
     if attention_mask is not None:
         padding_mask = masking.prepare_padding_mask(attention_mask, kv_length, k0)
