@@ -284,7 +284,8 @@ def test_packed_positions_become_segment_ids(family, monkeypatch):
 
     def spy(*args, **kwargs):
         segments.append(kwargs.get("segment_ids"))
-        assert kwargs.get("mask") is None and kwargs.get("mask_mod") is None
+        assert kwargs.get("mask") is None
+        assert kwargs.get("mask_mod") is None
         return original(*args, **kwargs)
 
     monkeypatch.setattr(adapter, "scaled_dot_product_attention", spy)

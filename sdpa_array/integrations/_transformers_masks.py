@@ -129,9 +129,9 @@ def recognize_packed(mask_function: Callable[..., Any]) -> tuple[Pattern, torch.
         return None
     remapped = _closure(functions[0], "remap_positions_for_packed_sequence.<locals>.inner_mask")
     ids = _closure(functions[1], "packed_sequence_mask_function.<locals>.inner_mask")
-    if remapped is None or ids is None:
+    if remapped is None or ids is None or not callable(remapped.get("mask_function")):
         return None
-    pattern = recognize(remapped.get("mask_function"))
+    pattern = recognize(remapped["mask_function"])
     segments = ids.get("packed_sequence_mask")
     if pattern is None or not isinstance(segments, torch.Tensor) or segments.ndim != 2:
         return None
