@@ -304,6 +304,28 @@ def test_packed_positions_become_segment_ids(family, monkeypatch):
         assert [x.tolist() for x in pair] == [[ids_of_tokens]] * 2
 
 
+def _bad_calls():
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    wrong_heads = torch.randn(1, 3, 3, 8)
+    return [
+        ((q[0], k, k, None), {}, r"query must be a 4-D tensor .* got \(4, 3, 8\)"),
+        ((q, k, k[0], None), {}, r"value must be a 4-D tensor"),
+        ((q, k, k, torch.ones(1, 1, 3, 5, dtype=torch.bool)), {}, r"mask of shape \(1, 1, 3, 5\)"),
+        ((q, wrong_heads, wrong_heads, None), {}, r"query heads \(4\) to be a multiple"),
+        ((q, k, k, None), {"cu_seq_lens_q": torch.tensor([0, 2, 1, 3])}, r"cu_seqlens_q must"),
+        ((q, k, k, None), {"s_aux": torch.randn(3)}, r"sinks of shape \(3,\)"),
+    ]
+
+
+@pytest.mark.parametrize(("args", "kwargs", "message"), _bad_calls())
+def test_bad_input_names_the_argument(args, kwargs, message):
+    from sdpa_array.integrations.transformers import attention_forward
+
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match=message):
+        attention_forward(module, *args, **kwargs)
+
+
 def test_register_refuses_transformers_own_names():
     assert register() == DEFAULT_NAME
     for bad in ("sdpa", "eager", "flash_attention_2", "", None):

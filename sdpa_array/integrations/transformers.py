@@ -166,7 +166,20 @@ def attention_forward(
         Contiguous, as transformers' layers expect.
     weights : torch.Tensor or None
         The attention weights ``(B, Hq, L, S)`` when ``output_attentions`` is true.
+
+    Raises
+    ------
+    ValueError
+        If ``query``, ``key`` or ``value`` is not a 4-D tensor; the library's own errors
+        for shapes, masks, sinks or offsets that do not fit, naming the argument.
     """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor) or x.ndim != 4:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"attention_forward: {name} must be a 4-D tensor (batch, heads, length, "
+                f"features), as transformers' layers pass it; got {shape}"
+            )
     L = int(query.shape[2])
     causal_layer = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
     options: dict[str, Any] = {"scale": scaling}
