@@ -332,7 +332,7 @@ def fix_empty_rows(p: Problem, terms: Terms, out: Any, lse: Any) -> tuple[Any, A
 def weights_from_lse(p: Problem, req: Request, lse: Any) -> Any:
     """``exp(scores - lse)``: the weights, formed once with the shared score builder."""
     xp = p.xp
-    ops = prepare(p, req.inputs)
+    ops = prepare(p, req.inputs.without_padding(p))
     s, _ = tile_scores(p, ops, ops.q, slice(0, p.L), slice(0, p.S))
     lse = xp.astype(lse, p.compute_dtype, copy=False)
     if p.grouped:
@@ -347,9 +347,10 @@ def finish(p: Problem, req: Request, terms: Terms, out: Any, lse: Any) -> Attent
 
 
 def cast(p: Problem, req: Request) -> tuple[Any, Any, Any]:
-    """Query, key and value in :func:`kernel_dtype`; the query times ``scale`` if it is an
-    array."""
-    xp, dtype, x = p.xp, kernel_dtype(p), req.inputs
+    """Query, key and value in :func:`kernel_dtype`, their rows past the lengths set to
+    zero (whatever they held: a masked NaN would still give ``0 * NaN``); the query times
+    ``scale`` if it is an array."""
+    xp, dtype, x = p.xp, kernel_dtype(p), req.inputs.without_padding(p)
     q = xp.astype(x.query, dtype, copy=False)
     if p.scale_is_array:
         q = q * xp.astype(kernel_scale(p), dtype, copy=False)
