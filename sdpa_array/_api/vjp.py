@@ -9,6 +9,7 @@ inputs' shapes.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .._arrays.compat import array_namespace
@@ -22,8 +23,10 @@ from .._arrays.typing import (
     ScoreMod,
     VJPImplementationName,
 )
+from .._problem.mod_parameters import check_mod_gradients
 from .._problem.options import Options
 from .._problem.problem import Problem, validate
+from .._problem.scalar_options import check_flag
 from .jax_eager import eager_jax, run_jitted
 from .layout import check_layout, swap_heads_and_length
 from .run import run_vjp
@@ -91,6 +94,7 @@ def scaled_dot_product_attention_vjp(
     mask_mod: MaskMod | None = None,
     bias_mod: BiasMod | None = None,
     score_mod: ScoreMod | None = None,
+    return_mod_gradients: bool = False,
     implementation: VJPImplementationName = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -98,8 +102,8 @@ def scaled_dot_product_attention_vjp(
 ) -> tuple[Array, ...]:
     r"""Gradients of :func:`scaled_dot_product_attention` for an output cotangent.
 
-    Returns ``(dL/dQ, dL/dK, dL/dV[, dL/dBias][, dL/dSinks][, dL/dscale])`` for
-    ``L = sum(out * grad_output)``: the vector-Jacobian product, on any Array-API library,
+    Returns ``(dL/dQ, dL/dK, dL/dV[, dL/dBias][, dL/dSinks][, dL/dscale][, dL/dparameters])``
+    for ``L = sum(out * grad_output)``: the vector-Jacobian product, on any Array-API library,
     including those without autograd (NumPy, CuPy, array-api-strict, Dask).
 
     Parameters
@@ -122,6 +126,11 @@ def scaled_dot_product_attention_vjp(
     score_mod
         As for :func:`scaled_dot_product_attention`: the gradients pass through its
         derivative (its ``derivative`` method, or torch's or JAX's autodiff).
+    return_mod_gradients : bool, default False
+        Also return the gradients of ``bias_mod``'s trainable parameters (ALiBi's slopes
+        of :func:`sdpa_array.mods.alibi`, the table of
+        :func:`sdpa_array.mods.relative_position_bias`, or a function of yours with
+        ``parameters`` and ``parameter_cotangents``: see :mod:`sdpa_array.mods`), last.
     implementation : {"auto", "materialized", "blocked", "native", "triton", "dask"}
         Default ``"auto"``. ``"materialized"`` forms the full score matrix once;
         ``"blocked"`` works tile by tile in ``O(block_q * block_k)`` memory per batch
@@ -154,13 +163,18 @@ def scaled_dot_product_attention_vjp(
         and dtype of ``sinks``, ``-sum_i p_sink_i (dO_i · O_i)`` over the rows it reaches.
     grad_scale : array
         Only if ``scale`` is an array: 0-d, with the dtype of ``scale``.
+    grad_mod_parameters : array
+        Only with ``return_mod_gradients=True``, last: one gradient for each of
+        ``bias_mod``'s ``parameters`` (ALiBi's slopes, T5's table), of its shape and dtype.
 
     Raises
     ------
     TypeError
         As for the forward; also a ``grad_output`` that is not an array of the same
-        library, or whose dtype is not the output's, and a ``score_mod`` without a
-        ``derivative`` method on a library without autodiff.
+        library, or whose dtype is not the output's, a ``score_mod`` without a
+        ``derivative`` method on a library without autodiff, and
+        ``return_mod_gradients=True`` without a ``bias_mod`` whose parameters are floating
+        arrays of the inputs' library.
     ValueError
         As for the forward; also a ``grad_output`` whose shape is not the output's, an
         unknown ``implementation``, or block sizes for the materialized implementation.
@@ -225,6 +239,7 @@ def scaled_dot_product_attention_vjp(
             "implementation": implementation,
             "block_q": block_q,
             "block_k": block_k,
+            "return_mod_gradients": return_mod_gradients,
         }
         grads = scaled_dot_product_attention_vjp(
             *swap_heads_and_length(query, key, value, grad_output),
@@ -234,8 +249,17 @@ def scaled_dot_product_attention_vjp(
         return (*swap_heads_and_length(*grads[:3]), *grads[3:])
     p = validate(query, key, value, options)
     check_grad_output(p, query, grad_output)
+    check_flag("return_mod_gradients", return_mod_gradients)
+    if return_mod_gradients:
+        check_mod_gradients(p.xp, bias_mod)
+        p = dataclasses.replace(p, mod_gradients=True)
     if p.L and p.S and eager_jax([query, key, value, grad_output]):  # compiled whole
-        calls = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
+        calls = {
+            "implementation": implementation,
+            "block_q": block_q,
+            "block_k": block_k,
+            "return_mod_gradients": return_mod_gradients,
+        }
         done, result = run_jitted(
             scaled_dot_product_attention_vjp,
             (query, key, value, grad_output),

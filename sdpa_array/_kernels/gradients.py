@@ -135,7 +135,8 @@ class TileGrads:
     over the query heads of each group; ``dz`` is the gradient of the tile's final scores
     (``dBias``), or ``None`` when no bias needs it; ``dsink`` is the sinks' gradient from the
     tile's rows, ``(..., 1, 1)``, when the tile holds whole rows (else ``None``:
-    :func:`sink_gradient` then gives it from the log-sum-exp).
+    :func:`sink_gradient` then gives it from the log-sum-exp); ``dtables`` the tile's part
+    of the gradients of ``bias_mod``'s parameters, when they are asked for.
     """
 
     dq: Array
@@ -143,6 +144,7 @@ class TileGrads:
     dv: Array
     dz: Array
     dsink: Array = None
+    dtables: tuple[Array, ...] | None = None
 
 
 def prepare_backward(
@@ -236,6 +238,8 @@ def tile_gradients(
     xp = p.xp
     k = ops.k[..., cols, :]
     v = ops.v[..., cols, :]
+    trainable = ops.terms.bias_mod is not None and ops.terms.bias_mod.trainable
+    keep_dz = need_dz or trainable
     s, factor = tile_scores(p, ops, r.q, rows, cols, need_factor=True)
     prob, p_sink = _probabilities(p, ops.terms, s, r.lse)
     del s
@@ -255,9 +259,12 @@ def tile_gradients(
     dz = inplace.multiply(inplace.subtract(d_prob, delta), prob)  # P * (dP - D)
     dv = xp.matmul(xp.matrix_transpose(merge_groups(p, kept)), merge_groups(p, r.d_out))
     del prob, kept
+    dtables = None
+    if trainable:  # dZ is the bias's cotangent
+        dtables = ops.terms.bias_mod.cotangents(dz, rows, cols)  # type: ignore[union-attr]
     if factor is None:
         ds = dz
-    elif need_dz:
+    elif keep_dz:
         ds = dz * factor
     else:
         ds = dz = inplace.multiply(dz, factor)
@@ -265,4 +272,6 @@ def tile_gradients(
     if factor is None:
         dq = inplace.multiply(dq, ops.terms.scale)
     dk = xp.matmul(xp.matrix_transpose(merge_groups(p, ds)), merge_groups(p, r.q))
-    return TileGrads(dq=dq, dk=dk, dv=dv, dz=dz if need_dz else None, dsink=dsink)
+    return TileGrads(
+        dq=dq, dk=dk, dv=dv, dz=dz if need_dz else None, dsink=dsink, dtables=dtables
+    )

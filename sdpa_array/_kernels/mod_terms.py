@@ -97,10 +97,14 @@ class ModIndices:
         return (self.batch, self.head, q, kv), shape
 
     def call(self, name: str, mod: Callable[..., Any], rows: slice, cols: slice) -> Array:
-        """``mod`` on the tile (``rows``, ``cols``), checked (:func:`~._mod_calls.call_mod`),
-        as data (no gradient reaches what it was computed from)."""
+        """``mod`` on the tile (``rows``, ``cols``), checked (:func:`~._mod_calls.call_mod`).
+
+        torch's and JAX's autodiff follow the values back to the data the function
+        captured (a trainable table: the library's own autodiff then gives it its gradient
+        where it differentiates the call whole, :mod:`sdpa_array._plan.autograd`).
+        """
         indices, shape = self.grid(rows, cols)
-        return stop_gradient(self.xp, call_mod(name, mod, indices, shape))
+        return call_mod(name, mod, indices, shape)
 
 
 def _indices(p: Problem) -> ModIndices:
@@ -252,7 +256,7 @@ class ModMask:
         return TileKind.FULL if np.all(blocks[1][:, span]) else TileKind.PARTIAL
 
     def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array:
-        return self.indices.call("mask_mod", self.mod, rows, cols)
+        return stop_gradient(self.indices.xp, self.indices.call("mask_mod", self.mod, rows, cols))
 
     def at(self, index: tuple[int, ...]) -> ModMask:
         if not index:
@@ -262,14 +266,23 @@ class ModMask:
 
 @dataclass(frozen=True)
 class ModBias:
-    """``bias_mod`` as a score term: its values on a tile, in the compute dtype."""
+    """``bias_mod`` as a score term: its values on a tile, in the compute dtype; with
+    ``trainable``, the backward kernels also take its parameters' cotangents
+    (:meth:`cotangents`)."""
 
     mod: Callable[..., Any]
     indices: ModIndices
+    trainable: bool = False
 
     def tile(self, rows: slice, cols: slice, dtype: Any) -> Array:
         values = self.indices.call("bias_mod", self.mod, rows, cols)
         return values if values.dtype == dtype else self.indices.xp.astype(values, dtype)
+
+    def cotangents(self, dz: Array, rows: slice, cols: slice) -> tuple[Array, ...]:
+        """The tile's part of each parameter's gradient, from the tile's score gradient
+        ``dz`` (the bias is added to the scores, so ``dz`` is its cotangent)."""
+        indices, _ = self.indices.grid(rows, cols)
+        return tuple(self.mod.parameter_cotangents(dz, *indices))  # type: ignore[attr-defined]
 
     def at(self, index: tuple[int, ...]) -> ModBias:
         return replace(self, indices=self.indices.at(index))
@@ -319,7 +332,8 @@ def mod_bias(p: Problem) -> ModBias | None:
     if mod is None:
         return None
     in_dtype = getattr(mod, "in_dtype", None)
-    return ModBias(mod if in_dtype is None else in_dtype(p.compute_dtype), _indices(p))
+    computed = mod if in_dtype is None else in_dtype(p.compute_dtype)
+    return ModBias(computed, _indices(p), trainable=p.mod_gradients)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,9 @@ class RawGrads:
     with the query heads of each group already summed; ``dbias`` is the score gradient,
     reduced at least to something that broadcasts to the grouped scores (``None`` without
     a bias). ``dsinks`` is the sinks' gradient ``(..., 1, 1)`` in the grouped layout
-    (``None`` without sinks). Leading axes may still be those of the broadcast batch.
+    (``None`` without sinks). ``dtables`` holds the gradients of ``bias_mod``'s parameters,
+    each of its parameter's shape, when they are asked for (``Problem.mod_gradients``).
+    Leading axes may still be those of the broadcast batch.
     """
 
     dq: Array
@@ -65,6 +67,7 @@ class RawGrads:
     dv: Array
     dbias: Array = None
     dsinks: Array = None
+    dtables: tuple[Array, ...] | None = None
 
 
 def empty_result(p: Problem, sinks: Array | None = None) -> AttentionResult:
@@ -122,16 +125,24 @@ def finalize(p: Problem, result: AttentionResult, outputs: Outputs) -> Array | t
     return tuple(extras)
 
 
+def _mod_parameters(p: Problem) -> tuple[Array, ...]:
+    """The parameters of ``bias_mod`` whose gradients are asked for (none otherwise)."""
+    return tuple(p.bias_mod.parameters) if p.mod_gradients else ()
+
+
 def zero_gradients(p: Problem, x: Inputs) -> tuple[Array, ...]:
-    """Gradients when nothing reaches the output (``L == 0`` or ``S == 0``): zeros."""
-    return tuple(p.xp.zeros(a.shape, dtype=a.dtype, device=p.device) for a in x.differentiable)
+    """Gradients when nothing reaches the output (``L == 0`` or ``S == 0``): zeros (those
+    of ``bias_mod``'s parameters too, when asked for)."""
+    arrays = (*x.differentiable, *_mod_parameters(p))
+    return tuple(p.xp.zeros(a.shape, dtype=a.dtype, device=p.device) for a in arrays)
 
 
 def finish_gradients(p: Problem, x: Inputs, raw: RawGrads) -> tuple[Array, ...]:
     """Sum each gradient to its input's shape and cast it to that input's dtype.
 
     Returns ``(grad_query, grad_key, grad_value)``, then ``grad_bias`` when there is a bias,
-    ``grad_sinks`` when there are sinks and ``grad_scale`` when ``scale`` is an array.
+    ``grad_sinks`` when there are sinks, ``grad_scale`` when ``scale`` is an array and the
+    gradients of ``bias_mod``'s parameters when they are asked for.
     ``grad_scale`` comes from ``dQ``: every score is ``scale · q·k``, so
     ``dL/dscale = Σ dS ⊙ (Q Kᵀ) = Σ Q ⊙ dQ / scale``.
     """
@@ -153,4 +164,10 @@ def finish_gradients(p: Problem, x: Inputs, raw: RawGrads) -> tuple[Array, ...]:
     ]
     if x.scale is not None:  # summed with keepdims: NumPy's 0-d arithmetic gives scalars
         grads[-1] = xp.reshape(grads[-1], ())
+    parameters = _mod_parameters(p)
+    if parameters:
+        tables = raw.dtables or tuple(
+            xp.zeros(a.shape, dtype=p.compute_dtype, device=p.device) for a in parameters
+        )
+        grads += [xp.astype(g, a.dtype) for g, a in zip(tables, parameters, strict=True)]
     return tuple(grads)

@@ -74,7 +74,8 @@ class _Sums:
     ``dq`` maps ``(index, block start)`` to rows of ``dQ``; ``dk`` and ``dv`` map
     ``(index, grid block start)`` to pieces; ``bias`` maps ``(index, row key, column key)``
     (``None`` along a broadcast axis) to a piece of ``dBias``. Each ``index`` is the batch
-    index as the gradient's own array sees it (its size-1 axes broadcast).
+    index as the gradient's own array sees it (its size-1 axes broadcast). ``tables`` maps
+    the position of each of ``bias_mod``'s parameters to its gradient so far.
     """
 
     dq: dict[Any, Array] = field(default_factory=dict)
@@ -82,6 +83,7 @@ class _Sums:
     dv: dict[Any, Array] = field(default_factory=dict)
     bias: dict[Any, Array] = field(default_factory=dict)
     sink: dict[Any, Array] = field(default_factory=dict)
+    tables: dict[int, Array] = field(default_factory=dict)
 
 
 def _add(acc: dict[Any, Array], key: Any, x: Array) -> None:
@@ -111,6 +113,8 @@ def _query_block(
             continue  # this sequence's lengths or segments exclude the tile
         t = tile_gradients(p, ops, r, rows, cols, need_dz=bias is not None)
         _add(sums.dq, block.start, t.dq)
+        for i, g in enumerate(t.dtables or ()):
+            _add(sums.tables, i, g)
         if t.dsink is not None:
             _add(sums.sink, None, sum_to_shape(xp, t.dsink, tuple(ops.terms.sink.shape)))
         dk = sum_to_shape(xp, t.dk, (*lead_k, z - a, p.E))
@@ -173,6 +177,8 @@ def _sum_items(b: BackwardOperands, items: list[tuple[Index, Any]], results: lis
             _add(total.bias, (b_index, row_key, col_key), dz)
         for ds in r.sink.values():
             _add(total.sink, _index_in(ops.terms.sink, index), ds)
+        for i, g in r.tables.items():
+            _add(total.tables, i, g)
     return total
 
 
@@ -337,4 +343,5 @@ def blocked_vjp(
         dv=asm.key_value(sums.dv, ops.v, p.Ev),
         dbias=None if ops.terms.bias is None else asm.bias(sums.bias, ops.terms.bias),
         dsinks=_sink_gradient(p, b, asm, sums),
+        dtables=tuple(sums.tables[i] for i in sorted(sums.tables)) or None,
     )

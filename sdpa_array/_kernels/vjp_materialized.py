@@ -41,4 +41,4 @@ def materialized_vjp(
     rows = slice(0, p.L)
     t = tile_gradients(p, b.ops, b.rows(p, rows), rows, slice(0, p.S), need_dz=x.bias is not None)
     dsinks = t.dsink if x.sinks is None or b.lse is None else sink_gradient(p, b)
-    return RawGrads(dq=t.dq, dk=t.dk, dv=t.dv, dbias=t.dz, dsinks=dsinks)
+    return RawGrads(dq=t.dq, dk=t.dk, dv=t.dv, dbias=t.dz, dsinks=dsinks, dtables=t.dtables)

@@ -29,6 +29,7 @@ from sdpa_array._arrays.compat import (
 )
 
 from .._arrays import inplace
+from .mod_parameters import sum_by_head_and_bucket, sum_by_index
 
 __all__ = [
     "AlibiMod",
@@ -315,6 +316,23 @@ class AlibiMod(NamedMod):
         """The same bias computed in ``dtype`` (the kernels' compute dtype)."""
         return AlibiInDtype(self, dtype)
 
+    @property
+    def parameters(self) -> tuple[Any, ...]:
+        """The trainable slopes (:mod:`~sdpa_array._problem.mod_parameters`)."""
+        return (self.slopes.value,)
+
+    def with_parameters(self, slopes: Any) -> AlibiMod:
+        """The same mod with other slopes (traced ones, under autodiff)."""
+        return AlibiMod(Captured("alibi", "slopes", slopes, kind="real floating", ndims=(1,)))
+
+    def parameter_cotangents(
+        self, cotangent: Any, batch: Any, head: Any, q_idx: Any, kv_idx: Any
+    ) -> tuple[Any, ...]:
+        """``d slopes[h] = -sum(cotangent * |q_idx - kv_idx|)`` over head ``h``'s entries."""
+        xp = _namespace(batch, head, q_idx, kv_idx)
+        distance = xp.astype(xp.abs(q_idx - kv_idx), cotangent.dtype)
+        return (-sum_by_index(xp, cotangent * distance, head, self.slopes.shape[0]),)
+
 
 @dataclass(frozen=True, repr=False)
 class AlibiInDtype(NamedMod):
@@ -339,6 +357,15 @@ class AlibiInDtype(NamedMod):
         distance = xp.abs(xp.astype(q_idx, self.dtype) - xp.astype(kv_idx, self.dtype))
         return inplace.multiply(distance, slopes)  # no third tile-sized array where allowed
 
+    @property
+    def parameters(self) -> tuple[Any, ...]:
+        return self.base.parameters
+
+    def parameter_cotangents(
+        self, cotangent: Any, batch: Any, head: Any, q_idx: Any, kv_idx: Any
+    ) -> tuple[Any, ...]:
+        return self.base.parameter_cotangents(cotangent, batch, head, q_idx, kv_idx)
+
 
 @dataclass(frozen=True, repr=False)
 class RelativePositionBiasMod(NamedMod):
@@ -354,8 +381,36 @@ class RelativePositionBiasMod(NamedMod):
             f"max_distance={self.max_distance}, bidirectional={self.bidirectional}"
         )
 
+    @property
+    def parameters(self) -> tuple[Any, ...]:
+        """The trainable table (:mod:`~sdpa_array._problem.mod_parameters`)."""
+        return (self.table.value,)
+
+    def with_parameters(self, table: Any) -> RelativePositionBiasMod:
+        """The same mod with another table (a traced one, under autodiff)."""
+        captured = Captured("relative_position_bias", "table", table, kind="real floating",
+                            ndims=(2,))  # fmt: skip
+        return RelativePositionBiasMod(
+            captured, self.num_buckets, self.max_distance, self.bidirectional
+        )
+
+    def parameter_cotangents(
+        self, cotangent: Any, batch: Any, head: Any, q_idx: Any, kv_idx: Any
+    ) -> tuple[Any, ...]:
+        """``d table[h, n] = sum(cotangent)`` over head ``h``'s entries in bucket ``n``."""
+        xp = _namespace(batch, head, q_idx, kv_idx)
+        bucket = self._bucket(xp, q_idx, kv_idx)
+        heads = self.table.shape[0]
+        grad = sum_by_head_and_bucket(xp, cotangent, head, bucket, heads, self.num_buckets)
+        return (grad,)
+
     def __call__(self, batch: Any, head: Any, q_idx: Any, kv_idx: Any) -> Any:
         xp = _namespace(batch, head, q_idx, kv_idx)
+        bucket = self._bucket(xp, q_idx, kv_idx)
+        return gather(xp, self.table.flat(xp, q_idx), head * self.num_buckets + bucket)
+
+    def _bucket(self, xp: ModuleType, q_idx: Any, kv_idx: Any) -> Any:
+        """The bucket of each relative position ``kv_idx - q_idx``."""
         relative = kv_idx - q_idx
         if self.bidirectional:
             buckets = self.num_buckets // 2
@@ -370,9 +425,7 @@ class RelativePositionBiasMod(NamedMod):
         for threshold in thresholds:
             large = large + xp.astype(distance >= threshold, distance.dtype)
         bucket = xp.where(distance < max_exact, distance, large)
-        if base is not None:
-            bucket = bucket + base
-        return gather(xp, self.table.flat(xp, q_idx), head * self.num_buckets + bucket)
+        return bucket if base is None else bucket + base
 
 
 @dataclass(frozen=True, repr=False)

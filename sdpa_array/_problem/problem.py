@@ -83,6 +83,9 @@ class Problem:
     on_gpu : bool
         Whether the arrays live on a GPU (CuPy, torch CUDA): tiles are then planned for it
         (:func:`~sdpa_array._kernels.tiling.plans_for_gpu`).
+    mod_gradients : bool
+        Whether the backward kernels also give the gradients of ``bias_mod``'s parameters
+        (:mod:`~sdpa_array._problem.mod_parameters`).
     """
 
     xp: ModuleType
@@ -113,6 +116,7 @@ class Problem:
     bias_mod: Any = None
     score_mod: Any = None
     on_gpu: bool = False
+    mod_gradients: bool = False
 
     @property
     def keep_seed(self) -> int | Array:

@@ -11,6 +11,7 @@ from ._adjoints import sum_to_shape, unrepeat_heads
 from ._convert import as_float64
 from ._forward import forward_pass, score_derivative, validate_and_prepare
 from ._layout import heads_back, heads_first
+from ._mods import index_grids, parameter_gradients
 
 __all__ = ["scaled_dot_product_attention_vjp"]
 
@@ -40,6 +41,7 @@ def scaled_dot_product_attention_vjp(
     mask_mod: Callable[..., Any] | None = None,
     bias_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
+    return_mod_gradients: bool = False,
     layout: str = "BHLE",
 ) -> tuple[np.ndarray, ...]:
     """Reference vector-Jacobian product of :func:`scaled_dot_product_attention`.
@@ -69,11 +71,16 @@ def scaled_dot_product_attention_vjp(
     dropout_seed : int or array, optional
         As in :func:`scaled_dot_product_attention`; required when ``dropout_p > 0``.
     mask_mod, bias_mod : callable, optional
-        As in :func:`scaled_dot_product_attention`. They hold no trainable parameters and
-        get no gradient; keys they exclude pass none on.
+        As in :func:`scaled_dot_product_attention`; keys they exclude pass no gradient on.
+        ``bias_mod``'s parameters get gradients with ``return_mod_gradients``.
     score_mod : callable, optional
         As in :func:`scaled_dot_product_attention`; the score gradients are multiplied by
         its ``derivative`` method (a ``TypeError`` without one).
+    return_mod_gradients : bool, default False
+        Also return the gradient of each of ``bias_mod``'s ``parameters``, last: the
+        Jacobian of the bias in them is formed column by column from the mod's
+        ``with_parameters``, exactly for a mod affine in its parameters (ALiBi's slopes,
+        T5's table), and contracted with ``dBias``.
     layout : {"BHLE", "BLHE"}, default "BHLE"
         As in :func:`scaled_dot_product_attention`; with ``"BLHE"`` ``grad_output`` and
         the three gradients are ``(..., L, H, E)`` too.
@@ -93,6 +100,9 @@ def scaled_dot_product_attention_vjp(
         Only if ``sinks`` is given: float64, same shape as ``sinks``.
     grad_scale : numpy.ndarray
         Only if ``scale`` is given as an array: a 0-d float64 array.
+    grad_mod_parameters : numpy.ndarray
+        Only with ``return_mod_gradients=True``: one float64 array of each of
+        ``bias_mod``'s parameters' shape.
 
     Notes
     -----
@@ -212,4 +222,8 @@ def scaled_dot_product_attention_vjp(
         # raw = scale * (Q @ Kᵀ): d scale = sum(dRaw * (Q @ Kᵀ)), over every entry.
         qk = np.matmul(q, np.swapaxes(k_rep, -1, -2))
         grads.append(np.asarray(np.sum(d_raw * qk), dtype=np.float64))
+    if return_mod_gradients:
+        lead = d_Z.shape[:-2]
+        grids = index_grids(q, lead, d_Z.shape[-2], S)
+        grads.extend(parameter_gradients(bias_mod, grids, d_Z.shape, d_Z))
     return tuple(grads)

@@ -286,10 +286,11 @@ def assert_vjp_close_to_oracle(
     fused: bool = False,
     **options: Any,
 ) -> None:
-    """Check gradients of attention (``(dq, dk, dv[, dbias][, dsinks][, dscale])``) against
-    the oracle.
+    """Check gradients of attention (``(dq, dk, dv[, dbias][, dsinks][, dscale][,
+    dparameters])``) against the oracle.
 
-    ``dsinks`` is expected when ``sinks`` is given, ``dscale`` when ``scale`` is an array.
+    ``dsinks`` is expected when ``sinks`` is given, ``dscale`` when ``scale`` is an array,
+    the gradients of ``bias_mod``'s parameters with ``return_mod_gradients=True``.
 
     Each gradient must have its input's library, array type, shape, dtype and device, and
     every entry must be within the element-wise bound of
@@ -331,6 +332,9 @@ def assert_vjp_close_to_oracle(
     named = {"dq": query, "dk": key, "dv": value, "dbias": bias, "dsinks": sinks}
     named["dscale"] = options.get("scale")
     named["dscale"] = named["dscale"] if scale_is_array(named["dscale"]) else None
+    if options.get("return_mod_gradients"):  # bias_mod's parameters, last
+        for i, a in enumerate(options["bias_mod"].parameters):
+            named[f"dparameter{i}"] = a
     inputs = {n: x for n, x in named.items() if x is not None}
     assert len(grads) == len(inputs), f"{len(grads)} gradients for {len(inputs)} inputs"
     for (name, x), g, e, b in zip(inputs.items(), grads, expected, bounds, strict=True):

@@ -158,6 +158,10 @@ def vjp_oracle_and_bounds(
     expected = list(
         reference.scaled_dot_product_attention_vjp(q, k, v, d_out, mask=mask, bias=bias, **options)
     )
+    with_parameters = bool(options.pop("return_mod_gradients", False))
+    n_params = len(options["bias_mod"].parameters) if with_parameters else 0
+    d_params = expected[len(expected) - n_params :]
+    del expected[len(expected) - n_params :]
     scale_array = options.get("scale")
     d_scale = expected.pop() if scale_is_array(scale_array) else None
     d_sinks = expected.pop() if options.get("sinks") is not None else None
@@ -259,7 +263,63 @@ def vjp_oracle_and_bounds(
         err = (np.sum(q_abs * bounds[0]) + rounding) / scale
         expected.append(d_scale)
         bounds.append(np.asarray(err + u_s * np.abs(d_scale)))
+    if with_parameters:
+        h_z = None if grad_lse is None else P * h
+        for d_param, jacobian in zip(
+            d_params, _jacobian(options["bias_mod"], q, P.shape), strict=True
+        ):
+            _parameter_terms(d_param, jacobian, e_Z, Z_abs, h_z, dtype, u, expected, bounds)
     return expected, bounds
+
+
+def _jacobian(bias_mod: Any, q: np.ndarray, shape: tuple[int, ...]) -> list[np.ndarray]:
+    """``d bias / d theta`` of each parameter ``theta`` of ``bias_mod``, as an array of
+    ``theta``'s shape followed by the scores' ``shape`` (the oracle's construction for a
+    mod affine in its parameters: the bias at each unit vector less the bias at zero)."""
+    from ..reference._mods import evaluate_mod, index_grids
+
+    params = [reference.to_numpy(a).astype(np.float64) for a in bias_mod.parameters]
+    grids = index_grids(q, shape[:-2], shape[-2], shape[-1])
+
+    def bias_with(values: list[np.ndarray]) -> np.ndarray:
+        return evaluate_mod("bias_mod", bias_mod.with_parameters(*values), grids, shape)
+
+    zeros = [np.zeros_like(a) for a in params]
+    offset = bias_with(zeros)
+    out = []
+    for i, a in enumerate(params):
+        columns = np.zeros((*a.shape, *shape))
+        for index in np.ndindex(a.shape):
+            unit = [z.copy() for z in zeros]
+            unit[i][index] = 1.0
+            columns[index] = bias_with(unit) - offset
+        out.append(columns)
+    return out
+
+
+def _parameter_terms(
+    d_param: np.ndarray,
+    jacobian: np.ndarray,
+    e_z: np.ndarray,
+    z_abs: np.ndarray,
+    h_z: np.ndarray | None,
+    dtype: str,
+    u: float,
+    expected: list[np.ndarray],
+    bounds: list[np.ndarray],
+) -> None:
+    """Append a parameter's expected gradient ``Σ dZ ⊙ J`` (plus ``Σ (P h) ⊙ J`` for a
+    log-sum-exp cotangent) and its bound: the propagated ``dZ`` bound ``Σ |J| e_Z``, the
+    rounding of the products and of a sum of every score (``(N + 3) u Σ |J| |dZ|`` with
+    ``N`` the scores' count), and the rounding to ``dtype``."""
+    axes = tuple(range(d_param.ndim, jacobian.ndim))
+    j_abs = np.abs(jacobian)
+    if h_z is not None:
+        d_param = d_param + np.sum(jacobian * h_z, axis=axes)
+    n = int(np.prod(jacobian.shape[d_param.ndim :]))
+    err = np.sum(j_abs * e_z, axis=axes) + (n + 3) * u * np.sum(j_abs * z_abs, axis=axes)
+    expected.append(d_param)
+    bounds.append(err + UNIT_ROUNDOFF[dtype] * np.abs(d_param))
 
 
 def _add_lse_cotangent(

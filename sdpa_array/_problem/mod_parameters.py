@@ -1,0 +1,129 @@
+"""Trainable data of a bias function: its parameters and their cotangents, tile by tile.
+
+A ``bias_mod`` may hold trainable arrays (ALiBi's slopes, T5's relative position table). It
+says so with two members, which the ready-made ones of :mod:`sdpa_array.mods` have and a
+user's function may have too:
+
+* ``parameters``: a tuple of its trainable arrays;
+* ``parameter_cotangents(cotangent, batch, head, q_idx, kv_idx)``: for a ``cotangent`` of the
+  bias on the grid of the index arrays (their broadcast shape), the tuple of
+  ``sum(cotangent * d bias / d parameter)`` over the grid, each of its parameter's shape,
+  in the cotangent's dtype and library.
+
+The backward kernels call the second tile by tile with the tile's score gradient ``dZ``
+(the bias is added to the scores, so ``dZ`` is its cotangent) and add the parts.
+:func:`sum_by_index` and :func:`sum_by_head_and_bucket` are the sums the ready-made mods
+need, written with the Array API only (one-hot matrix products: the standard has no
+scatter-add).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from .._arrays.compat import array_namespace, device, namespace_name
+
+__all__ = [
+    "BUCKET_CHUNK",
+    "check_mod_gradients",
+    "has_parameters",
+    "sum_by_head_and_bucket",
+    "sum_by_index",
+]
+
+#: Elements of one one-hot block of :func:`sum_by_head_and_bucket` (tile cells times
+#: buckets), so that a large tile (the materialized kernel's whole grid) is done in rows.
+BUCKET_CHUNK = 2**22
+
+
+def has_parameters(mod: Any) -> bool:
+    """Whether ``mod`` declares trainable data (the two members above)."""
+    return hasattr(mod, "parameters") and callable(getattr(mod, "parameter_cotangents", None))
+
+
+def check_mod_gradients(xp: ModuleType, bias_mod: Any) -> tuple[Any, ...]:
+    """The parameters of ``bias_mod`` whose gradients are asked for; ``TypeError`` before
+    any work where it has none, or holds arrays that are not real floating arrays of the
+    inputs' namespace ``xp`` (their gradients are returned in it)."""
+    if bias_mod is None or not has_parameters(bias_mod):
+        what = "no bias_mod" if bias_mod is None else f"bias_mod {bias_mod!r}"
+        raise TypeError(
+            f"return_mod_gradients=True needs a bias_mod with trainable parameters (a "
+            f"'parameters' tuple and 'parameter_cotangents', as sdpa_array.mods.alibi and "
+            f"relative_position_bias have); got {what}"
+        )
+    parameters = tuple(bias_mod.parameters)
+    for i, a in enumerate(parameters):
+        try:
+            same = namespace_name(array_namespace({"parameter": a})) == namespace_name(xp)
+        except TypeError:  # not an array
+            same = False
+        if not same or not xp.isdtype(a.dtype, "real floating"):
+            raise TypeError(
+                f"return_mod_gradients=True: bias_mod's parameter {i} must be a real floating "
+                f"array of the inputs' library ({namespace_name(xp)}), got "
+                f"{type(a).__module__}.{type(a).__qualname__}"
+            )
+    return parameters
+
+
+def _padded(index: Any, ndim: int, xp: ModuleType) -> Any:
+    return xp.reshape(index, (1,) * (ndim - index.ndim) + tuple(index.shape))
+
+
+def sum_by_index(xp: ModuleType, values: Any, index: Any, n: int) -> Any:
+    """``out[k] = sum(values where index == k)``, shape ``(n,)``.
+
+    ``index`` holds integers in ``[0, n)`` and broadcasts to ``values``' shape. The axes
+    along which ``index`` is constant (size 1) are summed first; what remains has one
+    entry per index entry, and a product with a one-hot matrix adds them up by value.
+    """
+    index = _padded(index, values.ndim, xp)
+    axes = tuple(a for a in range(values.ndim) if index.shape[a] == 1 and values.shape[a] != 1)
+    reduced = xp.sum(values, axis=axes, keepdims=True) if axes else values
+    flat = xp.reshape(reduced, (1, -1))
+    keys = xp.reshape(xp.broadcast_to(index, tuple(reduced.shape)), (-1, 1))
+    onehot = xp.astype(keys == xp.arange(n, device=device(keys))[None, :], values.dtype)
+    return xp.reshape(xp.matmul(flat, onehot), (n,))
+
+
+def sum_by_head_and_bucket(
+    xp: ModuleType, values: Any, head: Any, bucket: Any, heads: int, buckets: int
+) -> Any:
+    """``out[h, n] = sum(values where head == h and bucket == n)``, shape
+    ``(heads, buckets)``.
+
+    ``head`` varies only along axes where ``bucket`` has size 1 and the reverse (the
+    kernels' layout: heads on the batch axes, buckets on the tile's two axes); the last
+    two axes of ``values`` are the tile's. The tile's cells are added by bucket with a
+    one-hot product, in blocks of rows of at most :data:`BUCKET_CHUNK` one-hot entries,
+    then the rows by head (:func:`sum_by_index`).
+    """
+    ndim = values.ndim
+    head, bucket = _padded(head, ndim, xp), _padded(bucket, ndim, xp)
+    if any(n != 1 for n in head.shape[-2:]) or any(n != 1 for n in bucket.shape[:-2]):
+        raise ValueError(
+            "sum_by_head_and_bucket: the heads must vary along the batch axes and the "
+            f"buckets along the tile's, got shapes {tuple(head.shape)} and "
+            f"{tuple(bucket.shape)}"
+        )
+    batch = tuple(a for a in range(ndim - 2) if head.shape[a] == 1 and values.shape[a] != 1)
+    reduced = xp.sum(values, axis=batch, keepdims=True) if batch else values
+    rows, cols = int(reduced.shape[-2]), int(reduced.shape[-1])
+    lead = tuple(int(n) for n in reduced.shape[:-2])
+    cells = xp.reshape(reduced, (-1, rows, cols))  # (head entries, rows, cols)
+    bucket = xp.broadcast_to(bucket[(0,) * (ndim - 2)], (rows, cols))
+    step = max(1, BUCKET_CHUNK // max(1, cols * buckets))
+    arange = xp.arange(buckets, device=device(bucket))
+    by_bucket = None
+    for r0 in range(0, rows, step):
+        keys = xp.reshape(bucket[r0 : r0 + step, :], (-1, 1))
+        onehot = xp.astype(keys == arange[None, :], values.dtype)
+        part = xp.matmul(xp.reshape(cells[:, r0 : r0 + step, :], (cells.shape[0], -1)), onehot)
+        by_bucket = part if by_bucket is None else by_bucket + part
+    if by_bucket is None:  # no rows
+        by_bucket = xp.zeros((cells.shape[0], buckets), dtype=values.dtype, device=device(values))
+    head_keys = xp.reshape(xp.broadcast_to(head[..., 0, 0], lead), (-1, 1))
+    onehot = xp.astype(head_keys == xp.arange(heads, device=device(head))[None, :], values.dtype)
+    return xp.matmul(xp.matrix_transpose(onehot), by_bucket)
