@@ -272,6 +272,4 @@ def tile_gradients(
     if factor is None:
         dq = inplace.multiply(dq, ops.terms.scale)
     dk = xp.matmul(xp.matrix_transpose(merge_groups(p, ds)), merge_groups(p, r.q))
-    return TileGrads(
-        dq=dq, dk=dk, dv=dv, dz=dz if need_dz else None, dsink=dsink, dtables=dtables
-    )
+    return TileGrads(dq=dq, dk=dk, dv=dv, dz=dz if need_dz else None, dsink=dsink, dtables=dtables)

@@ -52,6 +52,7 @@ from .._arrays.compat import namespace_name
 from .._arrays.typing import Array
 from .._kernels.native import Request, plan_native
 from .._kernels.result import AttentionResult, finish_gradients
+from .._problem.mod_parameters import has_parameters
 from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .dispatch import Choice, choose
@@ -77,15 +78,44 @@ def forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> Attentio
 def _forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> AttentionResult:
     if not outputs.weights:
         library = namespace_name(p.xp)
-        if library == "torch" and _torch_needs_grad(x):
-            backward = _torch_backward_choice(choice, p, x, outputs.lse)
-            if backward is not None and _mods_hold(p, _torch_trainable):
-                return _materialized_instead(choice, p, x, outputs)
-            if backward is not None:
-                return _torch_forward(choice, backward, p, x, outputs)
-        if library == "jax" and choice.row.own_autograd and _jax_traced(x):
-            return _jax_forward(choice, p, x, outputs)
+        if library == "torch":
+            params = _trainable_parameters(p, _torch_trainable)
+            if _torch_grad_enabled() and (_torch_needs_grad(x) or params):
+                backward = _torch_backward_choice(choice, p, x, outputs.lse)
+                if backward is not None and _mods_hold(p, _torch_trainable, params):
+                    return _materialized_instead(choice, p, x, outputs)
+                if backward is not None:
+                    return _torch_forward(choice, backward, p, x, outputs, params)
+        if library == "jax" and choice.row.own_autograd:
+            params = _trainable_parameters(p, _jax_tracer)
+            if not hasattr(p.bias_mod, "with_parameters"):  # the wrapper rebuilds the mod
+                params = ()
+            if _jax_traced(x) or params:
+                return _jax_forward(choice, p, x, outputs, params)
     return choice.forward(p, x, outputs)
+
+
+def _trainable_parameters(p: Problem, autodiff_array: Callable[[Any], bool]) -> tuple[Any, ...]:
+    """``bias_mod``'s declared parameters (:mod:`~sdpa_array._problem.mod_parameters`)
+    when autodiff follows one of them (then they are inputs of the wrappers, which return
+    their gradients), else ``()``."""
+    mod = p.bias_mod
+    if mod is None or not has_parameters(mod):
+        return ()
+    params = tuple(mod.parameters)
+    return params if any(autodiff_array(a) for a in params) else ()
+
+
+def _torch_grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
+
+
+def _jax_tracer(a: Any) -> bool:
+    import jax
+
+    return isinstance(a, jax.core.Tracer)
 
 
 def _statistic(p: Problem, a: Array) -> Array:
@@ -121,9 +151,7 @@ def _torch_backward_choice(
 
 
 def _torch_needs_grad(x: Inputs) -> bool:
-    import torch
-
-    return torch.is_grad_enabled() and any(a.requires_grad for a in x.differentiable)
+    return any(a.requires_grad for a in x.differentiable)
 
 
 def _jax_traced(x: Inputs) -> bool:
@@ -175,14 +203,19 @@ def _materialized_instead(
     return Choice("materialized", automatic=True).forward(p, x, outputs)
 
 
-def _mods_hold(p: Problem, autodiff_array: Callable[[Any], bool]) -> bool:
+def _mods_hold(
+    p: Problem, autodiff_array: Callable[[Any], bool], handled: tuple[Any, ...] = ()
+) -> bool:
     """Whether a mask, bias or score function of ``p`` holds an array that autodiff
     follows (``autodiff_array``: a JAX tracer, a torch tensor that requires grad): in the
     data of a ready-made one, or in the closure, defaults or partial arguments of a
     function (a few levels deep). A ``jax.custom_vjp`` cannot close over a tracer, and a
-    ``torch.autograd.Function`` would not pass a gradient to such a tensor."""
+    ``torch.autograd.Function`` would not pass a gradient to such a tensor. The arrays in
+    ``handled`` (``bias_mod``'s declared parameters, inputs of the wrappers) do not count."""
 
     def holds(obj: Any, depth: int) -> bool:
+        if any(obj is a for a in handled):
+            return False
         if autodiff_array(obj):
             return True
         if depth == 0 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
@@ -231,14 +264,27 @@ def _gradients(
     grad_out: Array,
     grad_lse: Array,
 ) -> tuple[Array, ...]:
-    """``(dq, dk, dv, dbias, dsinks, dscale)`` from the backward kernel (``None`` for no input)."""
+    """``(dq, dk, dv, dbias, dsinks, dscale, *dparameters)`` from the backward kernel
+    (``None`` for no input; the gradients of ``bias_mod``'s parameters where
+    ``p.mod_gradients``)."""
     raw = choice.backward(p, x, grad_out, out=out, lse=lse, grad_lse=grad_lse)
     grads = iter(finish_gradients(p, x, raw))
     dq, dk, dv = next(grads), next(grads), next(grads)
     dbias = None if x.bias is None else next(grads)
     dsinks = None if x.sinks is None else next(grads)
     dscale = None if x.scale is None else next(grads)
-    return dq, dk, dv, dbias, dsinks, dscale
+    return dq, dk, dv, dbias, dsinks, dscale, *grads
+
+
+def _with_parameters(p: Problem, params: tuple[Any, ...]) -> Problem:
+    """``p`` whose ``bias_mod`` holds ``params`` (traced ones, under JAX) and whose backward
+    gives their gradients; ``p`` itself without parameters."""
+    if not params:
+        return p
+    mod = p.bias_mod
+    if any(a is not b for a, b in zip(params, mod.parameters, strict=True)):
+        mod = mod.with_parameters(*params)
+    return dataclasses.replace(p, bias_mod=mod, mod_gradients=True)
 
 
 @functools.cache
@@ -264,40 +310,48 @@ def _torch_function() -> Any:
             choice: Choice,
             backward: Choice,
             maxima: bool,
+            *params: Any,
         ) -> tuple[Any, ...]:
             x = Inputs(query, key, value, mask, bias, scale, sinks)
             return _out_and_lse(choice, _with_scale(p, scale), x, maxima)
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
-            query, key, value, bias, sinks, scale, mask, p, _, backward, _ = inputs
+            query, key, value, bias, sinks, scale, mask, p, _, backward, _, *params = inputs
             out, lse = output[:2]
             if len(output) == 3:  # the rows' maxima: a statistic
                 ctx.mark_non_differentiable(output[2])
-            ctx.save_for_backward(query, key, value, bias, sinks, scale, mask, out, lse)
+            ctx.save_for_backward(query, key, value, bias, sinks, scale, mask, out, lse, *params)
             ctx.p, ctx.backward_choice = p, backward
             ctx.set_materialize_grads(False)
 
         @staticmethod
         def backward(ctx: Any, grad_out: Any, grad_lse: Any, *_: Any) -> tuple[Any, ...]:
-            query, key, value, bias, sinks, scale, mask, out, lse = ctx.saved_tensors
+            query, key, value, bias, sinks, scale, mask, out, lse, *params = ctx.saved_tensors
             if grad_out is None:
                 grad_out = torch.zeros_like(out)
             x = Inputs(query, key, value, mask, bias, scale, sinks)
-            p = _with_scale(ctx.p, scale)
+            p = _with_parameters(_with_scale(ctx.p, scale), tuple(params))
             choice = ctx.backward_choice
             if torch.is_grad_enabled() and not choice.row.differentiable_backward:
                 # a graph of the gradients is being built (double backward): a fused
                 # kernel's gradients have none, so the blocked kernel computes them
                 choice = Choice("blocked")
-            grads = _gradients(choice, p, x, out, lse, grad_out, grad_lse)
-            return (*grads, None, None, None, None, None)
+            dq, dk, dv, dbias, dsinks, dscale, *dparams = _gradients(
+                choice, p, x, out, lse, grad_out, grad_lse
+            )
+            return (dq, dk, dv, dbias, dsinks, dscale, None, None, None, None, None, *dparams)
 
     return OwnBackward
 
 
 def _torch_forward(
-    choice: Choice, backward: Choice, p: Problem, x: Inputs, outputs: Outputs
+    choice: Choice,
+    backward: Choice,
+    p: Problem,
+    x: Inputs,
+    outputs: Outputs,
+    params: tuple[Any, ...] = (),
 ) -> AttentionResult:
     function = _torch_function()
     out, lse, *maxima = function.apply(
@@ -312,49 +366,71 @@ def _torch_forward(
         choice,
         backward,
         outputs.max_scores,
+        *params,
     )
     return AttentionResult(
         out=out, lse=lse if outputs.lse else None, row_maxima=maxima[0] if maxima else None
     )
 
 
-def _jax_forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> AttentionResult:
+def _jax_forward(
+    choice: Choice, p: Problem, x: Inputs, outputs: Outputs, params: tuple[Any, ...] = ()
+) -> AttentionResult:
     import jax
 
     maxima = outputs.max_scores
 
-    if _mods_hold(p, lambda a: isinstance(a, jax.core.Tracer)):
+    if _mods_hold(p, _jax_tracer, params):
         return _materialized_instead(choice, p, x, outputs)
     arrays = _problem_arrays(p)
 
+    def problem(scale: Any, trained: tuple[Any, ...], held: tuple[Any, ...]) -> Problem:
+        return _with_arrays(_with_parameters(_with_scale(p, scale), trained), held)
+
     @jax.custom_vjp
     def attention(
-        query: Any, key: Any, value: Any, mask: Any, bias: Any, sinks: Any, scale: Any, *held: Any
+        query: Any,
+        key: Any,
+        value: Any,
+        mask: Any,
+        bias: Any,
+        sinks: Any,
+        scale: Any,
+        trained: tuple[Any, ...],
+        *held: Any,
     ) -> tuple[Any, ...]:
         x = Inputs(query, key, value, mask, bias, scale, sinks)
-        return _out_and_lse(choice, _with_arrays(_with_scale(p, scale), held), x, maxima)
+        return _out_and_lse(choice, problem(scale, trained, held), x, maxima)
 
     def fwd(
-        query: Any, key: Any, value: Any, mask: Any, bias: Any, sinks: Any, scale: Any, *held: Any
+        query: Any,
+        key: Any,
+        value: Any,
+        mask: Any,
+        bias: Any,
+        sinks: Any,
+        scale: Any,
+        trained: tuple[Any, ...],
+        *held: Any,
     ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         x = Inputs(query, key, value, mask, bias, scale, sinks)
-        results = _out_and_lse(choice, _with_arrays(_with_scale(p, scale), held), x, maxima)
+        results = _out_and_lse(choice, problem(scale, trained, held), x, maxima)
         out, lse = results[:2]
-        return results, (query, key, value, mask, bias, sinks, scale, out, lse, held)
+        return results, (query, key, value, mask, bias, sinks, scale, trained, out, lse, held)
 
     def bwd(saved: tuple[Any, ...], cotangents: tuple[Any, ...]) -> tuple[Any, ...]:
-        query, key, value, mask, bias, sinks, scale, out, lse, held = saved
+        query, key, value, mask, bias, sinks, scale, trained, out, lse, held = saved
         grad_out, grad_lse = cotangents[:2]  # the rows' maxima are a statistic
         x = Inputs(query, key, value, mask, bias, scale, sinks)
-        dq, dk, dv, dbias, dsinks, dscale = _gradients(
-            choice, _with_arrays(_with_scale(p, scale), held), x, out, lse, grad_out, grad_lse
+        dq, dk, dv, dbias, dsinks, dscale, *dparams = _gradients(
+            choice, problem(scale, trained, held), x, out, lse, grad_out, grad_lse
         )
-        return dq, dk, dv, None, dbias, dsinks, dscale, *(None for _ in held)
+        return dq, dk, dv, None, dbias, dsinks, dscale, tuple(dparams), *(None for _ in held)
 
     attention.defvjp(fwd, bwd)
     try:
         out, lse, *rest = attention(
-            x.query, x.key, x.value, x.mask, x.bias, x.sinks, x.scale, *arrays
+            x.query, x.key, x.value, x.mask, x.bias, x.sinks, x.scale, params, *arrays
         )
     except TypeError as exc:
         if "forward-mode" not in str(exc):

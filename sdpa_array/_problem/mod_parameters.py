@@ -113,14 +113,16 @@ def sum_by_head_and_bucket(
     rows, cols = int(reduced.shape[-2]), int(reduced.shape[-1])
     lead = tuple(int(n) for n in reduced.shape[:-2])
     cells = xp.reshape(reduced, (-1, rows, cols))  # (head entries, rows, cols)
-    bucket = xp.broadcast_to(bucket[(0,) * (ndim - 2)], (rows, cols))
+    corner = (0,) * (ndim - 2) + (Ellipsis,)  # the tile's axes of the bucket array
+    bucket = xp.broadcast_to(bucket[corner], (rows, cols))
     step = max(1, BUCKET_CHUNK // max(1, cols * buckets))
     arange = xp.arange(buckets, device=device(bucket))
     by_bucket = None
     for r0 in range(0, rows, step):
-        keys = xp.reshape(bucket[r0 : r0 + step, :], (-1, 1))
+        r1 = min(rows, r0 + step)
+        keys = xp.reshape(bucket[r0:r1, :], (-1, 1))
         onehot = xp.astype(keys == arange[None, :], values.dtype)
-        part = xp.matmul(xp.reshape(cells[:, r0 : r0 + step, :], (cells.shape[0], -1)), onehot)
+        part = xp.matmul(xp.reshape(cells[:, r0:r1, :], (cells.shape[0], -1)), onehot)
         by_bucket = part if by_bucket is None else by_bucket + part
     if by_bucket is None:  # no rows
         by_bucket = xp.zeros((cells.shape[0], buckets), dtype=values.dtype, device=device(values))

@@ -155,6 +155,11 @@ def vjp_oracle_and_bounds(
         The element-wise bound of each, in the same order and shapes.
     """
     softcap = options.get("softcap")
+    mod: Any = options.get("bias_mod")
+    if options.get("return_mod_gradients") and hasattr(mod, "with_parameters"):
+        # the oracle reads the parameters on the host (lazy or 16-bit ones included)
+        host = [reference.to_numpy(a).astype(np.float64) for a in mod.parameters]
+        options["bias_mod"] = mod.with_parameters(*host)
     expected = list(
         reference.scaled_dot_product_attention_vjp(q, k, v, d_out, mask=mask, bias=bias, **options)
     )

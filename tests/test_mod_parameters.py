@@ -1,0 +1,240 @@
+"""Trainable tables of bias functions: ALiBi's slopes and T5's relative position table.
+
+* ``scaled_dot_product_attention_vjp(return_mod_gradients=True)`` on every backend, dtype
+  and generic path (materialized, blocked with small tiles) against the oracle, with
+  causal attention, GQA, a window, softcap and lengths, within the derived bounds
+  (:func:`sdpa_array.testing.vjp_bounds.vjp_oracle_and_bounds`);
+* the oracle's derivation (the Jacobian formed column by column) against central
+  differences of its own forward;
+* torch autograd and ``jax.grad`` (eager and under ``jax.jit``) give a trainable table its
+  gradient on every path: through the autograd wrappers of the blocked kernel (which take
+  the table as an input) and through the library's autodiff of the materialized one; a
+  table captured by a function of the caller's (no declared parameters) gets its gradient
+  through the materialized path (it silently got none before);
+* the sums by head and bucket in blocks of rows equal the sums in one block;
+* bad input: no ``bias_mod``, one without parameters, parameters of another library, a
+  flag that is not a bool.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import sdpa_array
+from sdpa_array import mods, reference
+from sdpa_array._problem import mod_parameters
+from sdpa_array.testing import assert_vjp_close_to_oracle
+
+#: JAX compiles every new shape and Dask builds a graph per call: on them these cases run in
+#: `nox -s tests-slow` (CI runs it).
+pytestmark = pytest.mark.slow_on("jax", "dask")
+
+B, H, L, S, E = 2, 4, 9, 11, 4
+BUCKETS, MAX_DISTANCE = 8, 6
+
+
+def _arrays(seed: int = 0, heads_kv: int = H) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    q, g = rng.standard_normal((B, H, L, E)), rng.standard_normal((B, H, L, E))
+    k, v = rng.standard_normal((B, heads_kv, S, E)), rng.standard_normal((B, heads_kv, S, E))
+    return q, k, v, g
+
+
+def _mod(kind: str, parameter: object) -> object:
+    if kind == "alibi":
+        return mods.alibi(parameter)
+    return mods.relative_position_bias(parameter, num_buckets=BUCKETS, max_distance=MAX_DISTANCE)
+
+
+def _parameter(kind: str) -> np.ndarray:
+    if kind == "alibi":
+        return mods.alibi_slopes(H) * 8.0  # slopes that matter over a few positions
+    return np.random.default_rng(9).standard_normal((H, BUCKETS))
+
+
+#: (id, options): the options the tables combine with.
+CASES = [
+    ("causal", {"is_causal": True}),
+    ("gqa-bottom-right", {"is_causal": True, "alignment": "bottom_right", "enable_gqa": True}),
+    ("window-softcap", {"window": (3, 2), "softcap": 2.0}),
+    ("lengths", {"query_lengths": np.array([9, 4]), "key_lengths": np.array([11, 5])}),
+]
+KINDS = ["alibi", "t5"]
+PATHS = {"materialized": {}, "blocked": {"block_q": 4, "block_k": 4}}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("case", "options"), CASES, ids=[c[0] for c in CASES])
+def test_vjp_returns_the_table_gradient(backend_dtype, path, kind, case, options):
+    backend, dtype = backend_dtype
+    heads_kv = 2 if options.get("enable_gqa") else H
+    q, k, v, g = (backend.asarray(a, dtype) for a in _arrays(heads_kv=heads_kv))
+    # a table in float32 beside 16-bit inputs (NumPy, which the oracle reads it with,
+    # has no bfloat16)
+    table_dtype = "float64" if dtype == "float64" else "float32"
+    mod = _mod(kind, backend.asarray(_parameter(kind), table_dtype))
+    kw = {**options, "bias_mod": mod, "return_mod_gradients": True}
+    grads = sdpa_array.scaled_dot_product_attention_vjp(
+        q, k, v, g, implementation=path, **PATHS[path], **kw
+    )
+    assert len(grads) == 4
+    assert_vjp_close_to_oracle(grads, q, k, v, g, **kw)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_oracle_matches_central_differences(kind):
+    """The oracle's parameter gradient (its Jacobian formed exactly) against central
+    differences of the oracle's forward."""
+    q, k, v, g = _arrays(seed=3)
+    param = _parameter(kind)
+    options = {"is_causal": True, "softcap": 3.0}
+    *_, d_param = reference.scaled_dot_product_attention_vjp(
+        q, k, v, g, bias_mod=_mod(kind, param), return_mod_gradients=True, **options
+    )
+
+    def loss(p: np.ndarray) -> float:
+        out = reference.scaled_dot_product_attention(q, k, v, bias_mod=_mod(kind, p), **options)
+        return float(np.sum(out * g))
+
+    h, numeric = 1e-6, np.zeros_like(param)
+    for index in np.ndindex(param.shape):
+        plus, minus = param.copy(), param.copy()
+        plus[index] += h
+        minus[index] -= h
+        numeric[index] = (loss(plus) - loss(minus)) / (2 * h)
+    # central differences of a smooth function: error O(h²) plus rounding ~1e-15 / h
+    np.testing.assert_allclose(d_param, numeric, rtol=0, atol=1e-7)
+    assert np.abs(d_param).max() > 1e-2  # the tables matter here
+
+
+@pytest.mark.parametrize("implementation", ["auto", "materialized", "blocked"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_torch_autograd_gives_the_table_its_gradient(torch_backend, kind, implementation):
+    import torch
+
+    q, k, v, g = (torch_backend.asarray(a, "float64") for a in _arrays(seed=1))
+    for inputs_need_grad in (True, False):
+        leaves = [x.detach().requires_grad_(inputs_need_grad) for x in (q, k, v)]
+        table = torch_backend.asarray(_parameter(kind), "float64").requires_grad_(True)
+        mod = _mod(kind, table)
+        out = sdpa_array.scaled_dot_product_attention(
+            *leaves, bias_mod=mod, is_causal=True, implementation=implementation
+        )
+        (out * g).sum().backward()
+        if inputs_need_grad:
+            grads = (*(x.grad for x in leaves), table.grad)
+            options = {"bias_mod": mod, "is_causal": True, "return_mod_gradients": True}
+            assert_vjp_close_to_oracle(grads, q, k, v, g, **options)
+        else:
+            expected = sdpa_array.scaled_dot_product_attention_vjp(
+                q, k, v, g, bias_mod=mod, is_causal=True, return_mod_gradients=True
+            )[-1]
+            torch.testing.assert_close(table.grad, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "materialized", "blocked"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_jax_grad_gives_the_table_its_gradient(jax_backend, kind, implementation):
+    import jax
+
+    q, k, v, g = (jax_backend.asarray(a, "float64") for a in _arrays(seed=1))
+    table = jax_backend.asarray(_parameter(kind), "float64")
+
+    def loss(q, k, v, table):
+        out = sdpa_array.scaled_dot_product_attention(
+            q, k, v, bias_mod=_mod(kind, table), is_causal=True, implementation=implementation
+        )
+        return (out * g).sum()
+
+    options = {"bias_mod": _mod(kind, table), "is_causal": True, "return_mod_gradients": True}
+    for grad in (jax.grad(loss, argnums=(0, 1, 2, 3)), jax.jit(jax.grad(loss, (0, 1, 2, 3)))):
+        assert_vjp_close_to_oracle(grad(q, k, v, table), q, k, v, g, **options)
+
+
+def test_a_captured_table_of_the_callers_gets_its_gradient(autograd_backend):
+    """A bias function of the caller's closing over a trainable table (no declared
+    parameters): the library's autodiff of the materialized path gives it its gradient,
+    the oracle's derivation being that of the same table in ``relative_position_bias``
+    with one bucket per relative position."""
+    backend = autograd_backend
+    q, k, v, g = (backend.asarray(a, "float64") for a in _arrays(seed=2))
+    table = _parameter("t5")
+    buckets = mods.relative_position_bias(table, num_buckets=BUCKETS, max_distance=MAX_DISTANCE)
+
+    def by_bucket(t):
+        def bias(b, h, i, j):
+            return _mod("t5", t)(b, h, i, j)
+
+        return bias
+
+    expected = sdpa_array.scaled_dot_product_attention_vjp(
+        q, k, v, g, bias_mod=_mod("t5", backend.asarray(table, "float64")),
+        is_causal=True, return_mod_gradients=True,
+    )[-1]  # fmt: skip
+    reference_grad = reference.scaled_dot_product_attention_vjp(
+        *(reference.to_numpy(a) for a in (q, k, v, g)),
+        bias_mod=buckets, is_causal=True, return_mod_gradients=True,
+    )[-1]  # fmt: skip
+    np.testing.assert_allclose(reference.to_numpy(expected), reference_grad, rtol=0, atol=1e-12)
+    if backend.library == "torch":
+        t = backend.asarray(table, "float64").requires_grad_(True)
+        out = sdpa_array.scaled_dot_product_attention(
+            q, k, v, bias_mod=by_bucket(t), is_causal=True
+        )
+        (out * g).sum().backward()
+        got = t.grad
+    else:
+        import jax
+
+        def loss(t):
+            out = sdpa_array.scaled_dot_product_attention(
+                q, k, v, bias_mod=by_bucket(t), is_causal=True
+            )
+            return (out * g).sum()
+
+        got = jax.jit(jax.grad(loss))(backend.asarray(table, "float64"))
+    np.testing.assert_allclose(reference.to_numpy(got), reference_grad, rtol=0, atol=1e-12)
+
+
+def test_sums_in_blocks_of_rows_equal_one_block(monkeypatch):
+    rng = np.random.default_rng(4)
+    values = rng.standard_normal((3, 2, 7, 13))
+    head = np.arange(2).reshape(1, 2, 1, 1)
+    bucket = rng.integers(0, 5, (7, 13))
+    whole = mod_parameters.sum_by_head_and_bucket(np, values, head, bucket, 3, 5)
+    monkeypatch.setattr(mod_parameters, "BUCKET_CHUNK", 13 * 5 * 2)  # two rows a block
+    blocks = mod_parameters.sum_by_head_and_bucket(np, values, head, bucket, 3, 5)
+    expected = np.zeros((3, 5))
+    for h in range(2):
+        for n in range(5):
+            expected[h, n] = values[:, h][:, bucket == n].sum()
+    np.testing.assert_allclose(whole, expected, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(blocks, expected, rtol=1e-13, atol=1e-13)
+
+
+def _bad_calls() -> list[tuple[dict, type, str]]:
+    torch = pytest.importorskip("torch")
+    return [
+        ({}, TypeError, r"needs a bias_mod with trainable parameters .* got no bias_mod"),
+        (
+            {"bias_mod": lambda b, h, i, j: 0.0 * (i - j)},
+            TypeError,
+            r"needs a bias_mod with trainable parameters",
+        ),
+        (
+            {"bias_mod": mods.alibi(torch.ones(H, dtype=torch.float64))},
+            TypeError,
+            r"parameter 0 must be a real floating array of the inputs' library \(numpy\)",
+        ),
+        ({"bias_mod": mods.alibi(np.ones(H)), "return_mod_gradients": 1}, TypeError, r"bool"),
+    ]
+
+
+@pytest.mark.parametrize(("options", "error", "match"), _bad_calls())
+def test_bad_requests_are_refused(options, error, match):
+    q, k, v, g = _arrays()
+    options = {"return_mod_gradients": True, **options}
+    with pytest.raises(error, match=match):
+        sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **options)
