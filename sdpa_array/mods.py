@@ -29,6 +29,15 @@ library: it is used as it is where the libraries match (JAX tracers under ``jax.
 Dask arrays), copied to the host where the indices are NumPy arrays (a ``TypeError`` says
 so where the data cannot be read there), and moved into the indices' library otherwise.
 
+A bias function may hold trained parameters: :func:`alibi`'s slopes and
+:func:`relative_position_bias`'s table declare them (``parameters``, and
+``parameter_cotangents(cotangent, batch, head, q_idx, kv_idx)``, the sums of
+``cotangent * d bias / d parameter`` over the grid), so that they get their gradients
+through torch autograd and ``jax.grad`` on every path, and from
+:func:`sdpa_array.scaled_dot_product_attention_vjp` with ``return_mod_gradients=True``;
+``with_parameters(*arrays)`` gives the same function with other parameters (traced ones,
+under JAX).
+
 Examples
 --------
 >>> import numpy as np
@@ -248,6 +257,7 @@ def alibi(slopes: Any) -> Mod:
     callable
         ``bias_mod(batch, head, q_idx, kv_idx)`` in the slopes' dtype (a sequence becomes
         float64; where the indices' library lacks float64, its default floating dtype).
+        The slopes are its trainable ``parameters`` (see the module docstring).
 
     Examples
     --------
@@ -335,7 +345,8 @@ def relative_position_bias(
     Returns
     -------
     callable
-        ``bias_mod(batch, head, q_idx, kv_idx)`` in the table's dtype.
+        ``bias_mod(batch, head, q_idx, kv_idx)`` in the table's dtype. The table is its
+        trainable ``parameters`` (see the module docstring).
 
     Raises
     ------
