@@ -23,6 +23,7 @@ import pytest
 
 import sdpa_array
 from sdpa_array import mods, reference
+from sdpa_array._arrays.compat import array_namespace
 from sdpa_array._problem import mod_parameters
 from sdpa_array.testing import assert_vjp_close_to_oracle
 
@@ -238,3 +239,35 @@ def test_bad_requests_are_refused(options, error, match):
     options = {"return_mod_gradients": True, **options}
     with pytest.raises(error, match=match):
         sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **options)
+
+
+def test_diagonal_sums(backend):
+    """``diagonal_sums`` against a loop over the diagonals, on every library."""
+    values = np.random.default_rng(6).standard_normal((2, 5, 7))
+    x = backend.asarray(values, "float64")
+    got = mod_parameters.diagonal_sums(array_namespace({"x": x}), x)
+    expected = np.zeros((2, 5 + 7 - 1))
+    for i in range(5):
+        for j in range(7):
+            expected[:, j - i + 4] += values[:, i, j]
+    np.testing.assert_allclose(reference.to_numpy(got), expected, rtol=1e-14, atol=1e-14)
+
+
+def test_t5_cotangents_by_entry_and_by_offset_agree():
+    """T5's table gradient from every entry (``parameter_cotangents``, for any indices)
+    and from the sums along a tile's diagonals (``offset_cotangents``, what the kernels
+    use), for a tile off the diagonal."""
+    rng = np.random.default_rng(7)
+    mod = _mod("t5", _parameter("t5"))
+    dz = rng.standard_normal((B, H, 5, 8))
+    rows, cols = slice(20, 25), slice(3, 11)
+    batch = np.arange(B).reshape(B, 1, 1, 1)
+    head = np.arange(H).reshape(1, H, 1, 1)
+    q_idx = np.arange(rows.start, rows.stop).reshape(1, 1, -1, 1)
+    kv_idx = np.arange(cols.start, cols.stop).reshape(1, 1, 1, -1)
+    (by_entry,) = mod.parameter_cotangents(dz, batch, head, q_idx, kv_idx)
+    sums = mod_parameters.diagonal_sums(np, dz.sum(axis=0, keepdims=True))
+    offsets = np.arange(cols.start - rows.stop + 1, cols.stop - rows.start)
+    (by_offset,) = mod.offset_cotangents(sums, head[..., 0], offsets)
+    np.testing.assert_allclose(by_offset, by_entry, rtol=1e-13, atol=1e-13)
+    assert np.abs(by_entry).max() > 0

@@ -36,6 +36,7 @@ from .._arrays.slicing import at_batch
 from .._arrays.typing import Array
 from .._problem.block_mask import EMPTY, FULL, HOST_BLOCK, BlockMask, classify_in, classify_on_host
 from .._problem.mod_calls import call_mod, index_grid
+from .._problem.mod_parameters import diagonal_sums
 from .._problem.mods_data import NamedMod
 from .._problem.problem import Problem
 from .restrictions import TileKind
@@ -280,9 +281,26 @@ class ModBias:
 
     def cotangents(self, dz: Array, rows: slice, cols: slice) -> tuple[Array, ...]:
         """The tile's part of each parameter's gradient, from the tile's score gradient
-        ``dz`` (the bias is added to the scores, so ``dz`` is its cotangent)."""
+        ``dz`` (the bias is added to the scores, so ``dz`` is its cotangent).
+
+        A function of the head and the relative position only (``offset_cotangents``:
+        T5's buckets) gets ``dz`` summed along the tile's diagonals first
+        (:func:`~sdpa_array._problem.mod_parameters.diagonal_sums`: the tile's indices are
+        ranges, so each diagonal is one relative position), ``r + c - 1`` sums instead of
+        ``r * c`` entries.
+        """
         indices, _ = self.indices.grid(rows, cols)
-        return tuple(self.mod.parameter_cotangents(dz, *indices))  # type: ignore[attr-defined]
+        by_offset = getattr(self.mod, "offset_cotangents", None)
+        if by_offset is None:
+            return tuple(self.mod.parameter_cotangents(dz, *indices))  # type: ignore[attr-defined]
+        xp, head = self.indices.xp, indices[1]
+        head = xp.reshape(head, (1,) * (dz.ndim - head.ndim) + tuple(head.shape))
+        axes = tuple(a for a in range(dz.ndim - 2) if head.shape[a] == 1 and dz.shape[a] != 1)
+        reduced = xp.sum(dz, axis=axes, keepdims=True) if axes else dz
+        sums = diagonal_sums(xp, reduced)
+        first = cols.start - rows.start - (rows.stop - rows.start - 1)
+        offsets = xp.arange(first, first + int(sums.shape[-1]), device=self.indices.device)
+        return tuple(by_offset(sums, head[..., 0], offsets))
 
     def at(self, index: tuple[int, ...]) -> ModBias:
         return replace(self, indices=self.indices.at(index))

@@ -27,6 +27,7 @@ from .._arrays.compat import array_namespace, device, namespace_name
 __all__ = [
     "BUCKET_CHUNK",
     "check_mod_gradients",
+    "diagonal_sums",
     "has_parameters",
     "sum_by_head_and_bucket",
     "sum_by_index",
@@ -129,3 +130,20 @@ def sum_by_head_and_bucket(
     head_keys = xp.reshape(xp.broadcast_to(head[..., 0, 0], lead), (-1, 1))
     onehot = xp.astype(head_keys == xp.arange(heads, device=device(head))[None, :], values.dtype)
     return xp.matmul(xp.matrix_transpose(onehot), by_bucket)
+
+
+def diagonal_sums(xp: ModuleType, x: Any) -> Any:
+    """Sums of ``x`` ``(..., r, c)`` along its diagonals: ``out[..., m]`` is the sum of
+    ``x[..., i, j]`` over ``j - i = m - (r - 1)``, shape ``(..., r + c - 1)``.
+
+    The rows are reversed and each is padded with ``r`` zeros; read back with rows of
+    ``c + r - 1`` entries, row ``i`` is shifted by ``i`` against the next, so that each
+    diagonal falls into one column, which a sum over the rows adds up (the entries shifted
+    out of a row are padding zeros).
+    """
+    r, c = int(x.shape[-2]), int(x.shape[-1])
+    lead = tuple(int(n) for n in x.shape[:-2])
+    pad = xp.zeros((*lead, r, r), dtype=x.dtype, device=device(x))
+    rows = xp.concat([xp.flip(x, axis=-2), pad], axis=-1)  # (..., r, c + r)
+    flat = xp.reshape(rows, (*lead, r * (c + r)))[..., : r * (c + r - 1)]
+    return xp.sum(xp.reshape(flat, (*lead, r, c + r - 1)), axis=-2)

@@ -399,19 +399,30 @@ class RelativePositionBiasMod(NamedMod):
     ) -> tuple[Any, ...]:
         """``d table[h, n] = sum(cotangent)`` over head ``h``'s entries in bucket ``n``."""
         xp = _namespace(batch, head, q_idx, kv_idx)
-        bucket = self._bucket(xp, q_idx, kv_idx)
+        bucket = self._bucket(xp, kv_idx - q_idx)
         heads = self.table.shape[0]
         grad = sum_by_head_and_bucket(xp, cotangent, head, bucket, heads, self.num_buckets)
         return (grad,)
 
+    def offset_cotangents(self, sums: Any, head: Any, offsets: Any) -> tuple[Any, ...]:
+        """:meth:`parameter_cotangents` from sums by relative position: ``sums[..., m]`` is
+        the cotangent summed over the entries with ``kv_idx - q_idx = offsets[m]`` (the
+        bias depends on nothing else), ``head`` the heads of the leading axes ``(..., 1)``."""
+        xp = array_namespace({"sums": sums, "offsets": offsets})
+        bucket = self._bucket(xp, offsets)
+        heads = self.table.shape[0]
+        grad = sum_by_head_and_bucket(
+            xp, sums[..., None, :], head[..., None], bucket[None, :], heads, self.num_buckets
+        )
+        return (grad,)
+
     def __call__(self, batch: Any, head: Any, q_idx: Any, kv_idx: Any) -> Any:
         xp = _namespace(batch, head, q_idx, kv_idx)
-        bucket = self._bucket(xp, q_idx, kv_idx)
+        bucket = self._bucket(xp, kv_idx - q_idx)
         return gather(xp, self.table.flat(xp, q_idx), head * self.num_buckets + bucket)
 
-    def _bucket(self, xp: ModuleType, q_idx: Any, kv_idx: Any) -> Any:
+    def _bucket(self, xp: ModuleType, relative: Any) -> Any:
         """The bucket of each relative position ``kv_idx - q_idx``."""
-        relative = kv_idx - q_idx
         if self.bidirectional:
             buckets = self.num_buckets // 2
             base = xp.astype(relative > 0, relative.dtype) * buckets

@@ -1,0 +1,76 @@
+"""What the gradients of a bias function's table cost in the backward pass (issue 27).
+
+:func:`~sdpa_array.scaled_dot_product_attention_vjp` with ``bias_mod=mods.alibi(slopes)``
+or ``mods.relative_position_bias(table, num_buckets=32, max_distance=128)``, with and
+without ``return_mod_gradients=True``: the difference is the tiles' parameter cotangents
+(ALiBi: one product and a sum per head; T5: the buckets' one-hot product). NumPy, float32,
+the blocked implementation, ``(B, H, L, E) = (1, 8, L, 64)`` (``--length``, default 2048),
+causal. Rounds interleave the cases (:func:`sdpa_array.lab.cli.bench.interleaved_times`);
+each row gives the median, its min-max and the ratio to the call without the gradients::
+
+    python asv_benchmarks/mod_parameters_cost.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import sdpa_array
+from sdpa_array import mods
+from sdpa_array.lab.cli.bench import interleaved_times
+
+
+def _groups(length: int) -> dict[str, dict[str, Callable[[], Any]]]:
+    rng = np.random.default_rng(0)
+    shape = (1, 8, length, 64)
+    q, k, v, g = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
+    tables = {
+        "alibi": mods.alibi(mods.alibi_slopes(8).astype(np.float32)),
+        "t5": mods.relative_position_bias(
+            rng.standard_normal((8, 32), dtype=np.float32), num_buckets=32, max_distance=128
+        ),
+    }
+    groups: dict[str, dict[str, Callable[[], Any]]] = {}
+    for name, mod in tables.items():
+        run = {"bias_mod": mod, "is_causal": True, "implementation": "blocked"}
+
+        def vjp(with_gradients: bool, run: dict[str, Any] = run) -> Callable[[], Any]:
+            def call() -> Any:
+                return sdpa_array.scaled_dot_product_attention_vjp(
+                    q, k, v, g, return_mod_gradients=with_gradients, **run
+                )
+
+            return call
+
+        groups[name] = {"without": vjp(False), "with gradients": vjp(True)}
+    return groups
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--length", type=int, default=2048)
+    args = ap.parse_args()
+    print(
+        f"NumPy {np.__version__}, float32, blocked, causal, (B, H, L, E) = "
+        f"(1, 8, {args.length}, 64), {args.rounds} rounds, {os.cpu_count()} CPUs"
+    )
+    for group, cases in _groups(args.length).items():
+        times = interleaved_times(cases, lambda result: None, args.rounds)
+        peer = statistics.median(next(iter(times.values())))
+        for name, ts in times.items():
+            median = statistics.median(ts)
+            print(
+                f"{group:6s} {name:15s} {median * 1e3:9.1f} ms "
+                f"({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})  / peer {median / peer:.3f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
