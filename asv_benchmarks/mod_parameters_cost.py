@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +22,7 @@ import numpy as np
 
 import sdpa_array
 from sdpa_array import mods
-from sdpa_array.lab.cli.bench import interleaved_times
+from sdpa_array.lab.cli.bench import report_groups
 
 
 def _groups(length: int) -> dict[str, dict[str, Callable[[], Any]]]:
@@ -61,15 +60,7 @@ def main() -> None:
         f"NumPy {np.__version__}, float32, blocked, causal, (B, H, L, E) = "
         f"(1, 8, {args.length}, 64), {args.rounds} rounds, {os.cpu_count()} CPUs"
     )
-    for group, cases in _groups(args.length).items():
-        times = interleaved_times(cases, lambda result: None, args.rounds)
-        peer = statistics.median(next(iter(times.values())))
-        for name, ts in times.items():
-            median = statistics.median(ts)
-            print(
-                f"{group:6s} {name:15s} {median * 1e3:9.1f} ms "
-                f"({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})  / peer {median / peer:.3f}"
-            )
+    report_groups(_groups(args.length), args.rounds, (6, 15))
 
 
 if __name__ == "__main__":

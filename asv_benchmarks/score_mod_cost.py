@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +25,7 @@ import numpy as np
 
 import sdpa_array
 from sdpa_array import mods
-from sdpa_array.lab.cli.bench import interleaved_times
+from sdpa_array.lab.cli.bench import report_groups
 
 CAP = 5.0
 
@@ -84,15 +83,7 @@ def main() -> None:
         f"NumPy {np.__version__}, float32, blocked, (B, H, L, E) = (1, 8, {args.length}, 64), "
         f"{args.rounds} rounds, {os.cpu_count()} CPUs"
     )
-    for group, cases in _groups(args.length).items():
-        times = interleaved_times(cases, lambda result: None, args.rounds)
-        peer = statistics.median(next(iter(times.values())))
-        for name, ts in times.items():
-            median = statistics.median(ts)
-            print(
-                f"{group:15s} {name:16s} {median * 1e3:9.1f} ms "
-                f"({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})  / peer {median / peer:.3f}"
-            )
+    report_groups(_groups(args.length), args.rounds, (15, 16))
 
 
 if __name__ == "__main__":

@@ -183,6 +183,7 @@ def _spy_calls(monkeypatch):
     seen = []
     original = adapter.scaled_dot_product_attention
     names = ("mask", "mask_mod", "is_causal", "window", "padding_side", "key_lengths")
+    names += ("segment_ids",)
 
     def spy(*args, **kwargs):
         found = {n: kwargs.get(n) for n in names}
@@ -204,7 +205,7 @@ def test_causal_padding_reaches_the_kernel_as_options(monkeypatch):
     with torch.no_grad():
         ours(ids[:1, :4])
         ours(ids, attention_mask=mask, position_ids=positions)
-    plain = dict(mask=None, mask_mod=None, is_causal=True, window=None)
+    plain = dict(mask=None, mask_mod=None, is_causal=True, window=None, segment_ids=None)
     assert seen[:2] == [{**plain, "padding_side": None, "key_lengths": None}] * 2
     assert seen[2:] == [{**plain, "padding_side": "left", "key_lengths": [8, 5]}] * 2
 
@@ -228,7 +229,7 @@ def test_a_bert_encoder_matches_eager_with_right_padding(monkeypatch):
         a = ours(ids, attention_mask=mask).last_hidden_state[mask.bool()]
         b = theirs(ids, attention_mask=mask).last_hidden_state[mask.bool()]
     _close(a, b, "hidden states")
-    expected = dict(mask=None, mask_mod=None, is_causal=False, window=None)
+    expected = dict(mask=None, mask_mod=None, is_causal=False, window=None, segment_ids=None)
     assert seen == [{**expected, "padding_side": "right", "key_lengths": [6, 4]}] * 2
 
 
@@ -277,18 +278,7 @@ def test_packed_positions_become_segment_ids(family, monkeypatch):
     transformers detects itself, without a cache: training): the logits equal eager's on
     each sequence alone, and every layer gets the sequences as ``segment_ids``, not a
     mask."""
-    from sdpa_array.integrations import transformers as adapter
-
-    segments = []
-    original = adapter.scaled_dot_product_attention
-
-    def spy(*args, **kwargs):
-        segments.append(kwargs.get("segment_ids"))
-        assert kwargs.get("mask") is None
-        assert kwargs.get("mask_mod") is None
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(adapter, "scaled_dot_product_attention", spy)
+    seen = _spy_calls(monkeypatch)
     dtype, _ = SETUPS[family]
     ours, theirs = _pair(MODELS[family], dtype)
     ids = torch.tensor([[token for sequence in PACKED for token in sequence]])
@@ -298,10 +288,11 @@ def test_packed_positions_become_segment_ids(family, monkeypatch):
         expected = torch.cat([theirs(torch.tensor([p])).logits[0] for p in PACKED])
     _close(logits, expected, "logits")
     ids_of_tokens = [n for n, p in enumerate(PACKED) for _ in p]
-    assert len(segments) == 2
-    for pair in segments:
-        assert pair is not None
-        assert [x.tolist() for x in pair] == [[ids_of_tokens]] * 2
+    assert len(seen) == 2
+    for call in seen:
+        assert call["mask"] is None
+        assert call["mask_mod"] is None
+        assert [x.tolist() for x in call["segment_ids"]] == [[ids_of_tokens]] * 2
 
 
 def _bad_calls():

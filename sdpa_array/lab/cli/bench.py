@@ -159,6 +159,23 @@ def interleaved_times(
     return times
 
 
+def report_groups(
+    groups: dict[str, dict[str, Callable[[], Any]]], rounds: int, widths: tuple[int, int]
+) -> None:
+    """Time each group's cases interleaved (:func:`interleaved_times`) and print, per case,
+    the median, its min-max and the ratio to the group's first case (its peer);
+    ``widths`` are those of the group and case columns."""
+    for group, cases in groups.items():
+        times = interleaved_times(cases, lambda result: None, rounds)
+        peer = statistics.median(next(iter(times.values())))
+        for name, ts in times.items():
+            median = statistics.median(ts)
+            print(
+                f"{group:{widths[0]}s} {name:{widths[1]}s} {median * 1e3:9.1f} ms "
+                f"({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})  / peer {median / peer:.3f}"
+            )
+
+
 def _read_status(field: str) -> int | None:
     try:
         with open("/proc/self/status") as status:
