@@ -196,6 +196,40 @@ def _spy_calls(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_t5_generation_matches_eager(cache):
+    """T5 (an encoder-decoder with a relative position bias, cross-attention and a
+    bidirectional encoder): greedy tokens through the adapter equal eager's, with a static
+    cache too (whose keys past the queries are cut off, and their position bias with
+    them)."""
+
+    def build():
+        config = transformers.T5Config(
+            vocab_size=97,
+            d_model=32,
+            d_kv=8,
+            d_ff=48,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+        )
+        return transformers.T5ForConditionalGeneration(config)
+
+    ours, theirs = _pair(build)
+    ids = torch.tensor([[5, 17, 3, 44, 9, 61], [1, 2, 3, 12, 0, 0]])
+    kwargs = {"attention_mask": (ids != 0).long(), "max_new_tokens": 5, "do_sample": False}
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    logits = {"output_logits": True, "return_dict_in_generate": True}
+    with torch.no_grad():
+        got = ours.generate(ids, **kwargs, **logits)
+        expected = theirs.generate(ids, **kwargs, **logits)
+    assert torch.equal(got.sequences, expected.sequences)
+    for step, (a, b) in enumerate(zip(got.logits, expected.logits, strict=True)):
+        _close(a, b, f"logits of step {step}")
+
+
 def test_causal_padding_reaches_the_kernel_as_options(monkeypatch):
     """Without padding the kernel gets ``is_causal``; with a left-padded batch, key lengths
     padded on the left: never a mask or a mask function."""
@@ -238,11 +272,14 @@ def test_a_bert_encoder_matches_eager_with_right_padding(monkeypatch):
 PACKED = [[5, 17, 3, 44, 9], [61, 2, 30, 1, 2, 3, 12, 7], [88, 21, 4]]
 
 
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_packed_sequences_equal_each_sequence_alone(family, monkeypatch):
+def test_packed_sequences_equal_each_sequence_alone(family, use_cache, monkeypatch):
     """A packed row with ``cu_seq_lens_q``/``cu_seq_lens_k`` (and positions restarting at
     each sequence): the logits and gradients equal eager's on each sequence alone, and
-    every layer runs the packed layout's function, not a dense mask."""
+    every layer runs the packed layout's function, not a dense mask. Without a cache (as
+    in training) transformers finds the sequences from the positions too, and the mask
+    builder's segment ids are left to the offsets."""
     from sdpa_array.integrations import transformers as adapter
 
     calls = []
@@ -259,7 +296,7 @@ def test_packed_sequences_equal_each_sequence_alone(family, monkeypatch):
     positions = torch.cat([torch.arange(len(p)) for p in PACKED])[None]
     cu = torch.tensor([0, 5, 13, 16], dtype=torch.int32)
     packed = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 8, "max_length_k": 8}
-    logits = ours(ids, position_ids=positions, **packed).logits[0]
+    logits = ours(ids, position_ids=positions, use_cache=use_cache, **packed).logits[0]
     (logits**2).sum().backward()
     parts = [theirs(torch.tensor([p])).logits[0] for p in PACKED]
     expected = torch.cat(parts)

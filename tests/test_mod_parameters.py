@@ -154,6 +154,51 @@ def test_jax_grad_gives_the_table_its_gradient(jax_backend, kind, implementation
         assert_vjp_close_to_oracle(grad(q, k, v, table), q, k, v, g, **options)
 
 
+class _HeadBias:
+    """A bias function of the caller's with declared parameters but no
+    ``with_parameters``: ``table[head]`` for every key."""
+
+    def __init__(self, table):
+        self.table = table
+
+    @property
+    def parameters(self):
+        return (self.table,)
+
+    def __call__(self, b, h, i, j):
+        xp = array_namespace({"h": h})
+        values = xp.take(self.table, xp.reshape(h, (-1,)), axis=0)
+        return xp.reshape(values, tuple(h.shape)) + 0.0 * xp.astype(i - j, self.table.dtype)
+
+    def parameter_cotangents(self, cotangent, b, h, i, j):
+        xp = array_namespace({"c": cotangent})
+        return (mod_parameters.sum_by_index(xp, cotangent, h, int(self.table.shape[0])),)
+
+
+def test_declared_parameters_without_with_parameters_under_saved_tensor_hooks(torch_backend):
+    """torch autograd through the blocked kernel of a function with ``parameters`` and
+    ``parameter_cotangents`` only, while saved tensors hooks unpack copies (activation
+    offloading): the copies hold the same values, so the function is kept."""
+    import torch
+
+    q, k, v, g = (torch_backend.asarray(a, "float64") for a in _arrays(seed=5))
+    table = torch_backend.asarray(np.linspace(-1.0, 1.0, H), "float64")
+    expected = reference.scaled_dot_product_attention_vjp(
+        *(reference.to_numpy(a) for a in (q, k, v, g)),
+        bias=reference.to_numpy(table)[None, :, None, None] * np.ones((B, H, L, S)),
+        is_causal=True,
+    )[3]
+    leaf = table.detach().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: x.clone(), lambda x: x):
+        out = sdpa_array.scaled_dot_product_attention(
+            q, k, v, bias_mod=_HeadBias(leaf), is_causal=True, implementation="blocked"
+        )
+        (grad,) = torch.autograd.grad((out * g).sum(), [leaf])
+    np.testing.assert_allclose(
+        reference.to_numpy(grad), expected.sum(axis=(0, 2, 3)), rtol=0, atol=1e-12
+    )
+
+
 def test_a_captured_table_of_the_callers_gets_its_gradient(autograd_backend):
     """A bias function of the caller's closing over a trainable table (no declared
     parameters): the library's autodiff of the materialized path gives it its gradient,

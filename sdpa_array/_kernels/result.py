@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .._arrays.compat import device
 from .._arrays.typing import Array
 from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
@@ -169,5 +170,7 @@ def finish_gradients(p: Problem, x: Inputs, raw: RawGrads) -> tuple[Array, ...]:
         tables = raw.dtables or tuple(
             xp.zeros(a.shape, dtype=p.compute_dtype, device=p.device) for a in parameters
         )
-        grads += [xp.astype(g, a.dtype) for g, a in zip(tables, parameters, strict=True)]
+        for g, a in zip(tables, parameters, strict=True):  # on the parameter's device
+            g = xp.astype(g, a.dtype)
+            grads.append(g if device(g) == device(a) else xp.asarray(g, device=device(a)))
     return tuple(grads)

@@ -278,12 +278,17 @@ def _gradients(
 
 def _with_parameters(p: Problem, params: tuple[Any, ...]) -> Problem:
     """``p`` whose ``bias_mod`` holds ``params`` (traced ones, under JAX) and whose backward
-    gives their gradients; ``p`` itself without parameters."""
+    gives their gradients; ``p`` itself without parameters.
+
+    Under torch the saved parameters may be other tensors holding the same values (saved
+    tensors hooks unpack copies): a function without ``with_parameters`` is kept as it is.
+    """
     if not params:
         return p
     mod = p.bias_mod
-    if any(a is not b for a, b in zip(params, mod.parameters, strict=True)):
-        mod = mod.with_parameters(*params)
+    rebuild = getattr(mod, "with_parameters", None)
+    if rebuild is not None and any(a is not b for a, b in zip(params, mod.parameters, strict=True)):
+        mod = rebuild(*params)
     return dataclasses.replace(p, bias_mod=mod, mod_gradients=True)
 
 

@@ -10,6 +10,11 @@ user's function may have too:
   ``sum(cotangent * d bias / d parameter)`` over the grid, each of its parameter's shape,
   in the cotangent's dtype and library.
 
+A third member, ``with_parameters(*arrays)`` (the same function holding other arrays),
+is what ``jax.grad`` through the blocked kernel (whose ``jax.custom_vjp`` rebuilds the
+function with its traced parameters) and the oracle (which forms the Jacobian from it)
+need; without it JAX differentiates the materialized path instead.
+
 The backward kernels call the second tile by tile with the tile's score gradient ``dZ``
 (the bias is added to the scores, so ``dZ`` is its cotangent) and add the parts.
 :func:`sum_by_index` and :func:`sum_by_head_and_bucket` are the sums the ready-made mods

@@ -184,9 +184,11 @@ def attention_forward(
     causal_layer = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
     options: dict[str, Any] = {"scale": scaling}
     if isinstance(attention_mask, LayerRestriction):  # from our mask builder
-        if attention_mask.kv_stop is not None:
-            key = key[:, :, : attention_mask.kv_stop]
-            value = value[:, :, : attention_mask.kv_stop]
+        stop = attention_mask.kv_stop
+        if stop is not None:  # the keys past the last query's position (and their bias)
+            key, value = key[:, :, :stop], value[:, :, :stop]
+            if position_bias is not None and int(position_bias.shape[-1]) > stop:
+                position_bias = position_bias[..., :stop]
         options.update(attention_mask.options)
         options["bias"] = _mask_and_bias(None, position_bias, query.dtype)[1]
     else:  # a mask transformers did not build with us (given 4-D, or None)
@@ -287,7 +289,9 @@ def _varlen_forward(
 ) -> tuple[torch.Tensor, None]:
     """The packed row's sequences, each attending within itself (causal where the layer
     is): ``(1, L, Hq, E)``."""
-    restriction = ("mask", "bias", "is_causal", "alignment", "window", "mask_mod")
+    # the offsets say what the mask, the lengths and the segment ids would
+    restriction = {"mask", "bias", "is_causal", "alignment", "window", "mask_mod"}
+    restriction |= {"segment_ids", "key_lengths", "padding_side"}
     packed = {n: v for n, v in options.items() if n not in restriction}
     window = kwargs.get("sliding_window")
     if window is not None:  # transformers' window counts the query itself

@@ -194,7 +194,7 @@ def _lengths_as(p: Problem, lengths: Any, tail: tuple[int, int]) -> Any:
 
 def length_terms(p: Problem, is_causal: bool) -> tuple[Any, Any]:
     """Query and key lengths as a key mask ``(..., 1, 1, S)`` and the rows that keep an
-    admissible key ``(..., 1, L, 1)``, under the kernel's top-left ``is_causal`` where
+    admissible key ``(..., 1, L|1, 1)``, under the kernel's top-left ``is_causal`` where
     ``is_causal`` (else of the lengths alone); ``(None, None)`` without lengths.
 
     No ``(L, S)`` array is formed: a row is padding by its query length, and it reaches a
