@@ -10,6 +10,7 @@ import importlib.util
 NEEDS = {
     "sdpa_array/_api/torch_module.py": ("torch",),
     "sdpa_array/integrations/transformers.py": ("torch", "transformers"),
+    "sdpa_array/integrations/_transformers_masks.py": ("torch", "transformers"),
     "sdpa_array/integrations/flax.py": ("jax", "flax"),
 }
 

@@ -249,9 +249,10 @@ def test_sums_in_blocks_of_rows_equal_one_block(monkeypatch):
     values = rng.standard_normal((3, 2, 7, 13))
     head = np.arange(2).reshape(1, 2, 1, 1)
     bucket = rng.integers(0, 5, (7, 13))
-    whole = mod_parameters.sum_by_head_and_bucket(np, values, head, bucket, 3, 5)
+    xp = array_namespace({"values": values})
+    whole = mod_parameters.sum_by_head_and_bucket(xp, values, head, bucket, 3, 5)
     monkeypatch.setattr(mod_parameters, "BUCKET_CHUNK", 13 * 5 * 2)  # two rows a block
-    blocks = mod_parameters.sum_by_head_and_bucket(np, values, head, bucket, 3, 5)
+    blocks = mod_parameters.sum_by_head_and_bucket(xp, values, head, bucket, 3, 5)
     expected = np.zeros((3, 5))
     for h in range(2):
         for n in range(5):
@@ -311,7 +312,7 @@ def test_t5_cotangents_by_entry_and_by_offset_agree():
     q_idx = np.arange(rows.start, rows.stop).reshape(1, 1, -1, 1)
     kv_idx = np.arange(cols.start, cols.stop).reshape(1, 1, 1, -1)
     (by_entry,) = mod.parameter_cotangents(dz, batch, head, q_idx, kv_idx)
-    sums = mod_parameters.diagonal_sums(np, dz.sum(axis=0, keepdims=True))
+    sums = mod_parameters.diagonal_sums(array_namespace({"dz": dz}), dz.sum(axis=0, keepdims=True))
     offsets = np.arange(cols.start - rows.stop + 1, cols.stop - rows.start)
     (by_offset,) = mod.offset_cotangents(sums, head[..., 0], offsets)
     np.testing.assert_allclose(by_offset, by_entry, rtol=1e-13, atol=1e-13)

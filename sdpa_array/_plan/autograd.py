@@ -109,7 +109,7 @@ def _trainable_parameters(p: Problem, autodiff_array: Callable[[Any], bool]) -> 
 def _torch_grad_enabled() -> bool:
     import torch
 
-    return torch.is_grad_enabled()
+    return bool(torch.is_grad_enabled())
 
 
 def _jax_tracer(a: Any) -> bool:

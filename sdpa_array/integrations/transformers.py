@@ -227,7 +227,7 @@ def _decodes_through_cache(query: torch.Tensor) -> bool:
     """Whether decoding steps go through the cache function: on a CUDA device, where its
     Triton decoding kernel runs (on the CPU, torch's flash kernel with the key lengths is
     faster than its chunks: ``asv_benchmarks/decode_route.py``)."""
-    return query.device.type == "cuda"
+    return bool(query.device.type == "cuda")
 
 
 def _cache_decode(
