@@ -261,30 +261,34 @@ def test_sums_in_blocks_of_rows_equal_one_block(monkeypatch):
     np.testing.assert_allclose(blocks, expected, rtol=1e-13, atol=1e-13)
 
 
-def _bad_calls() -> list[tuple[dict, type, str]]:
-    torch = pytest.importorskip("torch")
-    return [
-        ({}, TypeError, r"needs a bias_mod with trainable parameters .* got no bias_mod"),
-        (
-            {"bias_mod": lambda b, h, i, j: 0.0 * (i - j)},
-            TypeError,
-            r"needs a bias_mod with trainable parameters",
-        ),
-        (
-            {"bias_mod": mods.alibi(torch.ones(H, dtype=torch.float64))},
-            TypeError,
-            r"parameter 0 must be a real floating array of the inputs' library \(numpy\)",
-        ),
-        ({"bias_mod": mods.alibi(np.ones(H)), "return_mod_gradients": 1}, TypeError, r"bool"),
-    ]
+BAD_REQUESTS = [
+    ({}, TypeError, r"needs a bias_mod with trainable parameters .* got no bias_mod"),
+    (
+        {"bias_mod": lambda b, h, i, j: 0.0 * (i - j)},
+        TypeError,
+        r"needs a bias_mod with trainable parameters",
+    ),
+    ({"bias_mod": mods.alibi(np.ones(H)), "return_mod_gradients": 1}, TypeError, r"bool"),
+]
 
 
-@pytest.mark.parametrize(("options", "error", "match"), _bad_calls())
+@pytest.mark.parametrize(("options", "error", "match"), BAD_REQUESTS)
 def test_bad_requests_are_refused(options, error, match):
     q, k, v, g = _arrays()
     options = {"return_mod_gradients": True, **options}
     with pytest.raises(error, match=match):
         sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **options)
+
+
+def test_parameters_of_another_library_are_refused():
+    torch = pytest.importorskip("torch")
+    q, k, v, g = _arrays()
+    mod = mods.alibi(torch.ones(H, dtype=torch.float64))
+    match = r"parameter 0 must be a real floating array of the inputs' library \(numpy\)"
+    with pytest.raises(TypeError, match=match):
+        sdpa_array.scaled_dot_product_attention_vjp(
+            q, k, v, g, bias_mod=mod, return_mod_gradients=True
+        )
 
 
 def test_diagonal_sums(backend):
