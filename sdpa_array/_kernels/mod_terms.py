@@ -36,7 +36,7 @@ from .._arrays.slicing import at_batch
 from .._arrays.typing import Array
 from .._problem.block_mask import EMPTY, FULL, HOST_BLOCK, BlockMask, classify_in, classify_on_host
 from .._problem.mod_calls import call_mod, index_grid
-from .._problem.mod_parameters import diagonal_sums
+from .._problem.mod_parameters import diagonal_sums, sum_where_constant
 from .._problem.mods_data import NamedMod
 from .._problem.problem import Problem
 from .restrictions import TileKind
@@ -293,10 +293,8 @@ class ModBias:
         by_offset = getattr(self.mod, "offset_cotangents", None)
         if by_offset is None:
             return tuple(self.mod.parameter_cotangents(dz, *indices))  # type: ignore[attr-defined]
-        xp, head = self.indices.xp, indices[1]
-        head = xp.reshape(head, (1,) * (dz.ndim - head.ndim) + tuple(head.shape))
-        axes = tuple(a for a in range(dz.ndim - 2) if head.shape[a] == 1 and dz.shape[a] != 1)
-        reduced = xp.sum(dz, axis=axes, keepdims=True) if axes else dz
+        xp = self.indices.xp
+        reduced, head = sum_where_constant(xp, dz, indices[1], tail=2)
         sums = diagonal_sums(xp, reduced)
         first = cols.start - rows.start - (rows.stop - rows.start - 1)
         offsets = xp.arange(first, first + int(sums.shape[-1]), device=self.indices.device)

@@ -233,9 +233,7 @@ def sequence_members(p: Problem) -> tuple[list[Restriction], bool]:
             )
         )
     replaces_band = False
-    # right padding moves the bottom-right diagonal, left padding the top-left one
-    shifts = p.alignment == ("top_left" if p.left_padded else "bottom_right")
-    if p.band.restricts and shifts and members:
+    if p.diagonal_per_sequence:
         k_arr = p.S if kl is None else _place(p, xp, kl.array, "lengths")
         q_arr = p.L if ql is None else _place(p, xp, ql.array, "lengths")
         host = None

@@ -87,20 +87,23 @@ def _forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> Attenti
                 if backward is not None:
                     return _torch_forward(choice, backward, p, x, outputs, params)
         if library == "jax" and choice.row.own_autograd:
-            params = _trainable_parameters(p, _jax_tracer)
-            if not hasattr(p.bias_mod, "with_parameters"):  # the wrapper rebuilds the mod
-                params = ()
+            params = _trainable_parameters(p, _jax_tracer, rebuilt=True)
             if _jax_traced(x) or params:
                 return _jax_forward(choice, p, x, outputs, params)
     return choice.forward(p, x, outputs)
 
 
-def _trainable_parameters(p: Problem, autodiff_array: Callable[[Any], bool]) -> tuple[Any, ...]:
+def _trainable_parameters(
+    p: Problem, autodiff_array: Callable[[Any], bool], *, rebuilt: bool = False
+) -> tuple[Any, ...]:
     """``bias_mod``'s declared parameters (:mod:`~sdpa_array._problem.mod_parameters`)
     when autodiff follows one of them (then they are inputs of the wrappers, which return
-    their gradients), else ``()``."""
+    their gradients), else ``()``. ``rebuilt``: the wrapper rebuilds the function with
+    its own (traced) parameters, so it must have ``with_parameters`` (JAX)."""
     mod = p.bias_mod
     if mod is None or not has_parameters(mod):
+        return ()
+    if rebuilt and not hasattr(mod, "with_parameters"):
         return ()
     params = tuple(mod.parameters)
     return params if any(autodiff_array(a) for a in params) else ()
@@ -404,8 +407,7 @@ def _jax_forward(
         trained: tuple[Any, ...],
         *held: Any,
     ) -> tuple[Any, ...]:
-        x = Inputs(query, key, value, mask, bias, scale, sinks)
-        return _out_and_lse(choice, problem(scale, trained, held), x, maxima)
+        return fwd(query, key, value, mask, bias, sinks, scale, trained, *held)[0]
 
     def fwd(
         query: Any,

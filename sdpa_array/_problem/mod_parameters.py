@@ -36,6 +36,7 @@ __all__ = [
     "has_parameters",
     "sum_by_head_and_bucket",
     "sum_by_index",
+    "sum_where_constant",
 ]
 
 #: Elements of one one-hot block of :func:`sum_by_head_and_bucket` (tile cells times
@@ -78,6 +79,17 @@ def _padded(index: Any, ndim: int, xp: ModuleType) -> Any:
     return xp.reshape(index, (1,) * (ndim - index.ndim) + tuple(index.shape))
 
 
+def sum_where_constant(xp: ModuleType, values: Any, index: Any, tail: int = 0) -> Any:
+    """``(summed, index)``: ``values`` summed (keeping the axes) along the axes, but the
+    last ``tail``, where ``index`` (which broadcasts to it) is constant, and ``index``
+    padded to as many axes."""
+    index = _padded(index, values.ndim, xp)
+    axes = tuple(
+        a for a in range(values.ndim - tail) if index.shape[a] == 1 and values.shape[a] != 1
+    )
+    return (xp.sum(values, axis=axes, keepdims=True) if axes else values), index
+
+
 def sum_by_index(xp: ModuleType, values: Any, index: Any, n: int) -> Any:
     """``out[k] = sum(values where index == k)``, shape ``(n,)``.
 
@@ -85,9 +97,7 @@ def sum_by_index(xp: ModuleType, values: Any, index: Any, n: int) -> Any:
     along which ``index`` is constant (size 1) are summed first; what remains has one
     entry per index entry, and a product with a one-hot matrix adds them up by value.
     """
-    index = _padded(index, values.ndim, xp)
-    axes = tuple(a for a in range(values.ndim) if index.shape[a] == 1 and values.shape[a] != 1)
-    reduced = xp.sum(values, axis=axes, keepdims=True) if axes else values
+    reduced, index = sum_where_constant(xp, values, index)
     flat = xp.reshape(reduced, (1, -1))
     keys = xp.reshape(xp.broadcast_to(index, tuple(reduced.shape)), (-1, 1))
     onehot = xp.astype(keys == xp.arange(n, device=device(keys))[None, :], values.dtype)
@@ -114,8 +124,7 @@ def sum_by_head_and_bucket(
             f"buckets along the tile's, got shapes {tuple(head.shape)} and "
             f"{tuple(bucket.shape)}"
         )
-    batch = tuple(a for a in range(ndim - 2) if head.shape[a] == 1 and values.shape[a] != 1)
-    reduced = xp.sum(values, axis=batch, keepdims=True) if batch else values
+    reduced, _ = sum_where_constant(xp, values, head, tail=2)
     rows, cols = int(reduced.shape[-2]), int(reduced.shape[-1])
     lead = tuple(int(n) for n in reduced.shape[:-2])
     cells = xp.reshape(reduced, (-1, rows, cols))  # (head entries, rows, cols)

@@ -148,6 +148,14 @@ class Problem:
         return any(n is not None and n.left for n in (self.query_lengths, self.key_lengths))
 
     @property
+    def diagonal_per_sequence(self) -> bool:
+        """Whether lengths move each sequence's causal/window diagonal: right padding moves
+        the bottom-right one, left padding the top-left one (and a band must restrict)."""
+        lengths = self.query_lengths is not None or self.key_lengths is not None
+        shifted = self.alignment == ("top_left" if self.left_padded else "bottom_right")
+        return lengths and shifted and self.band.restricts
+
+    @property
     def has_mods(self) -> bool:
         """Whether a mask, bias or score function was given."""
         return any(f is not None for f in (self.mask_mod, self.bias_mod, self.score_mod))

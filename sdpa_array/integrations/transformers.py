@@ -245,12 +245,10 @@ def _cache_decode(
     if not _decodes_through_cache(query) or not 0 < L <= DECODE_QUERIES or L >= S:
         return None
     taken = {"scale", "is_causal", "alignment", "window", "key_lengths", "padding_side"}
-    taken |= {"enable_gqa", "softcap", "bias"}
+    taken |= {"enable_gqa", "softcap"}
     if any(v is not None for n, v in options.items() if n not in taken):
-        return None
-    if options.get("bias") is not None or options.get("alignment") != "bottom_right":
-        return None
-    if options.get("padding_side", "left") != "left":
+        return None  # a bias, sinks, dropout, a mask function, segment ids
+    if options.get("alignment") != "bottom_right" or options.get("padding_side") == "right":
         return None
     B = int(query.shape[0])
     lengths = restriction.key_lengths

@@ -34,7 +34,14 @@ import numpy as np
 
 from ._convert import to_numpy
 
-__all__ = ["check_mods", "evaluate_mod", "evaluate_score", "index_grids", "parameter_gradients"]
+__all__ = [
+    "check_mods",
+    "evaluate_mod",
+    "evaluate_score",
+    "index_grids",
+    "parameter_gradients",
+    "parameter_jacobian",
+]
 
 
 def check_mods(mask_mod: Any, bias_mod: Any, score_mod: Any = None) -> None:
@@ -157,17 +164,17 @@ def evaluate_mod(
     return np.broadcast_to(array, shape)
 
 
-def parameter_gradients(
-    bias_mod: Any, grids: tuple[Any, ...], shape: tuple[int, ...], d_z: np.ndarray
-) -> tuple[np.ndarray, ...]:
-    """The gradient of each of ``bias_mod``'s ``parameters`` for the score gradient ``d_z``.
+def parameter_jacobian(
+    bias_mod: Any, grids: tuple[Any, ...], shape: tuple[int, ...]
+) -> list[np.ndarray]:
+    """``d bias / d theta`` of each of ``bias_mod``'s ``parameters`` ``theta``, as an array
+    of ``theta``'s shape followed by the scores' ``shape``.
 
-    The bias is added to the scores, so ``d theta_k = sum(d_z * d bias / d theta_k)``. For
-    a mod affine in its parameters (ALiBi's slopes, T5's table: every bias value is a
+    For a mod affine in its parameters (ALiBi's slopes, T5's table: every bias value is a
     parameter times a constant), ``d bias / d theta_k`` is exactly the bias with the
     parameters set to the unit vector ``e_k`` less the bias with them all zero: each
-    column of the Jacobian is formed that way, from the mod's ``with_parameters``, in
-    float64, with no finite difference.
+    column is formed that way, from the mod's ``with_parameters``, in float64, with no
+    finite difference.
 
     Raises
     ------
@@ -182,17 +189,32 @@ def parameter_gradients(
     params = [to_numpy(a).astype(np.float64) for a in bias_mod.parameters]
 
     def bias_with(values: list[np.ndarray]) -> np.ndarray:
-        mod = bias_mod.with_parameters(*values)
-        return evaluate_mod("bias_mod", mod, grids, shape)
+        return evaluate_mod("bias_mod", bias_mod.with_parameters(*values), grids, shape)
 
     zeros = [np.zeros_like(a) for a in params]
     offset = bias_with(zeros)
-    grads = []
+    jacobians = []
     for i, a in enumerate(params):
-        grad = np.zeros_like(a)
-        for k in np.ndindex(a.shape):
+        columns = np.zeros((*a.shape, *shape))
+        for index in np.ndindex(a.shape):
             unit = [z.copy() for z in zeros]
-            unit[i][k] = 1.0
-            grad[k] = np.sum(d_z * (bias_with(unit) - offset))
-        grads.append(grad)
-    return tuple(grads)
+            unit[i][index] = 1.0
+            columns[index] = bias_with(unit) - offset
+        jacobians.append(columns)
+    return jacobians
+
+
+def parameter_gradients(
+    bias_mod: Any, grids: tuple[Any, ...], shape: tuple[int, ...], d_z: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """The gradient of each of ``bias_mod``'s ``parameters`` for the score gradient ``d_z``:
+    the bias is added to the scores, so ``d theta_k = sum(d_z * d bias / d theta_k)``,
+    with the Jacobian of :func:`parameter_jacobian`.
+
+    Raises
+    ------
+    TypeError
+        If ``bias_mod`` has no ``parameters`` and ``with_parameters``.
+    """
+    axes = tuple(range(-len(shape), 0))
+    return tuple(np.sum(d_z * j, axis=axes) for j in parameter_jacobian(bias_mod, grids, shape))

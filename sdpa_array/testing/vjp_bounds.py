@@ -278,28 +278,12 @@ def vjp_oracle_and_bounds(
 
 
 def _jacobian(bias_mod: Any, q: np.ndarray, shape: tuple[int, ...]) -> list[np.ndarray]:
-    """``d bias / d theta`` of each parameter ``theta`` of ``bias_mod``, as an array of
-    ``theta``'s shape followed by the scores' ``shape`` (the oracle's construction for a
-    mod affine in its parameters: the bias at each unit vector less the bias at zero)."""
-    from ..reference._mods import evaluate_mod, index_grids
+    """``d bias / d theta`` of each parameter ``theta`` of ``bias_mod`` on the scores'
+    ``shape``, as the oracle forms it (:func:`sdpa_array.reference._mods.parameter_jacobian`)."""
+    from ..reference._mods import index_grids, parameter_jacobian
 
-    params = [reference.to_numpy(a).astype(np.float64) for a in bias_mod.parameters]
     grids = index_grids(q, shape[:-2], shape[-2], shape[-1])
-
-    def bias_with(values: list[np.ndarray]) -> np.ndarray:
-        return evaluate_mod("bias_mod", bias_mod.with_parameters(*values), grids, shape)
-
-    zeros = [np.zeros_like(a) for a in params]
-    offset = bias_with(zeros)
-    out = []
-    for i, a in enumerate(params):
-        columns = np.zeros((*a.shape, *shape))
-        for index in np.ndindex(a.shape):
-            unit = [z.copy() for z in zeros]
-            unit[i][index] = 1.0
-            columns[index] = bias_with(unit) - offset
-        out.append(columns)
-    return out
+    return parameter_jacobian(bias_mod, grids, shape)
 
 
 def _parameter_terms(

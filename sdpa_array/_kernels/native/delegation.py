@@ -170,8 +170,7 @@ def length_checks(p: Problem, req: Request) -> None:
         return
     if req.mask is not None or req.bias is not None:
         raise refuse("lengths beside a mask or bias are not delegated")
-    shifts = p.alignment == ("top_left" if p.left_padded else "bottom_right")
-    if p.band.restricts and shifts:
+    if p.diagonal_per_sequence:
         raise refuse(
             f"alignment={p.alignment!r} with {'left' if p.left_padded else 'right'} padding "
             "puts each sequence's diagonal elsewhere, which no kernel's is_causal expresses"
