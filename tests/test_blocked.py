@@ -297,13 +297,17 @@ def test_window_plan_skips_blocks_on_both_sides():
 def test_blocked_computes_only_the_planned_tiles(monkeypatch):
     """Count score tiles actually formed: causal skips every tile above the diagonal."""
     formed = []
-    original = blocked.tile_scores_and_maxima
 
-    def counting(p, ops, q_rows, rows, cols, **kwargs):
-        formed.append((rows.start, rows.stop, cols.start, cols.stop))
-        return original(p, ops, q_rows, rows, cols, **kwargs)
+    def counting(original):
+        def formed_tile(p, ops, q_rows, rows, cols, **kwargs):
+            formed.append((rows.start, rows.stop, cols.start, cols.stop))
+            return original(p, ops, q_rows, rows, cols, **kwargs)
 
-    monkeypatch.setattr(blocked, "tile_scores_and_maxima", counting)
+        return formed_tile
+
+    # the online softmax and the fixed reference (score_bound) form tiles through these
+    for name in ("tile_scores_and_maxima", "tile_scores"):
+        monkeypatch.setattr(blocked, name, counting(getattr(blocked, name)))
     rng = np.random.default_rng(14)
     q, k, v = randn(rng, 3, 40, 4), randn(rng, 3, 40, 4), randn(rng, 3, 40, 4)
     sdpa_array.scaled_dot_product_attention(

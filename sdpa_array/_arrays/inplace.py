@@ -8,8 +8,8 @@ autograd must not be changed in place (the values saved for its backward pass wo
 nor can a tensor combined with one that a
 ``torch.func`` transform wraps (under ``vmap`` the other operand may hold more elements than
 it shows), and a read-only NumPy array cannot be.
-The kernels call :func:`add`, :func:`subtract`, :func:`multiply` and :func:`where_columns`
-on arrays they created themselves.
+The kernels call :func:`add`, :func:`subtract`, :func:`multiply`, :func:`exp` and
+:func:`where_columns` on arrays they created themselves.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-from array_api_compat import is_numpy_array, is_writeable_array
+import numpy as np
+from array_api_compat import is_numpy_array, is_torch_array, is_writeable_array
 
 from .typing import Array
 
-__all__ = ["add", "multiply", "subtract", "where_columns"]
+__all__ = ["add", "exp", "multiply", "subtract", "where_columns"]
 
 
 def _functorch_wrapped(a: Array) -> bool:
@@ -71,6 +72,22 @@ def multiply(x: Array, y: Array) -> Array:
         x *= y
         return x
     return x * y
+
+
+def exp(xp: ModuleType, x: Array) -> Array:
+    """``exp(x)``, written into ``x`` where that is allowed; use the returned array.
+
+    NumPy's ``exp`` writes through ``out=`` and torch's through ``exp_``; other libraries
+    (the Array API has no ``out=``) get a new array. Writing in place saves a tile-sized
+    allocation per tile, which on NumPy costs as much as the exponential itself
+    (docs/performance.md, issue 28).
+    """
+    if _writable(x, x):
+        if is_numpy_array(x):
+            return np.exp(x, out=x)
+        if is_torch_array(x):
+            return x.exp_()
+    return xp.exp(x)
 
 
 def _broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -23,8 +23,9 @@ from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .layout import broadcast_if_needed, concat, ungroup
 from .materialized import materialized_attention
-from .operands import Operands, prepare, tile_scores_and_maxima
+from .operands import Operands, prepare, tile_scores, tile_scores_and_maxima
 from .result import AttentionResult
+from .score_bound import fixed_reference
 from .softmax import exp_shift, log_sum_exp, row_sum, safe_reciprocal
 from .tiling import (
     QueryBlock,
@@ -38,27 +39,15 @@ from .tiling import (
 __all__ = ["blocked_attention"]
 
 
-def _query_block(
-    p: Problem, ops: Operands, inner: tuple[int, ...], block: QueryBlock, maxima: bool
-) -> tuple[Array, Array, Array]:
-    """Output ``(*inner, rows, Ev)``, log-sum-exp ``(*inner, rows)`` and, with ``maxima``,
-    the rows' largest scaled products ``(*inner, rows)`` (else ``None``) of one query block.
-
-    ``ops`` is one batch slice of the operands and ``inner`` its batch shape.
-    """
+def _online_tiles(
+    p: Problem, ops: Operands, q: Array, block: QueryBlock, maxima: bool
+) -> tuple[Array, Array, Array, Array]:
+    """The online softmax over the block's tiles: each row's reference (its running
+    maximum, :func:`exp_shift`), ``Σ exp(score - ref)``, ``Σ exp(score - ref) v`` and, with
+    ``maxima``, the largest scaled products (else ``None``)."""
     xp = p.xp
-    rows = slice(block.start, block.stop)
     terms = ops.terms
-    n = block.stop - block.start
-    if not block.tiles:
-        out = xp.zeros((*inner, n, p.Ev), dtype=p.compute_dtype, device=p.device)
-        if terms.sink is None:
-            lse = xp.full((*inner, n), -math.inf, dtype=p.compute_dtype, device=p.device)
-        else:  # only the sink is left in each row
-            lse = xp.broadcast_to(terms.sink, (*inner, n, 1))[..., 0]
-        empty = xp.full((*inner, n), -math.inf, dtype=p.compute_dtype, device=p.device)
-        return out, lse, empty if maxima else None
-    q = ops.q[..., rows, :]
+    rows = slice(block.start, block.stop)
     running_max = total = acc = ref = best = None
     if terms.sink is not None:  # the sink starts each row: m = sink, l = exp(sink - m)
         running_max = terms.sink
@@ -71,7 +60,7 @@ def _query_block(
             best = tile_best if best is None else xp.maximum(best, tile_best)
         new_max = tile_max if running_max is None else xp.maximum(running_max, tile_max)
         new_ref = exp_shift(p, new_max)
-        e = xp.exp(inplace.subtract(s, new_ref))
+        e = inplace.exp(xp, inplace.subtract(s, new_ref))
         del s
         tile_total = row_sum(p, e)
         if ops.dropout is not None:  # dropped after the softmax; 1 / (1 - p) comes last
@@ -85,6 +74,67 @@ def _query_block(
             total = total * alpha + tile_total
             acc = tile_out if acc is None else acc * alpha + tile_out
         running_max, ref = new_max, new_ref
+    return ref, total, acc, best
+
+
+def _fixed_reference_tiles(
+    p: Problem, ops: Operands, q: Array, block: QueryBlock
+) -> tuple[Array, Array, Array]:
+    """The softmax over the block's tiles with a reference of 0 for every row
+    (:func:`~.score_bound.fixed_reference` holds): no maxima, no rescaling. Returns the
+    reference, ``Σ exp(score)`` and ``Σ exp(score) v``."""
+    xp = p.xp
+    rows = slice(block.start, block.stop)
+    sink = ops.terms.sink
+    total: Array = None if sink is None else xp.exp(sink)
+    acc: Array = None
+    for tile in block.tiles:
+        cols = slice(tile.start, tile.stop)
+        s, _ = tile_scores(p, ops, q, rows, cols)
+        e = inplace.exp(xp, s)
+        del s
+        tile_total = row_sum(p, e)
+        if ops.dropout is not None:
+            e = ops.dropout.tile(xp, e, rows, cols, p.device, scaled=False)
+        tile_out = xp.matmul(e, ops.v[..., cols, :])
+        del e
+        total = tile_total if total is None else inplace.add(tile_total, total)
+        acc = tile_out if acc is None else inplace.add(acc, tile_out)
+    ref = xp.zeros(tuple(total.shape), dtype=p.compute_dtype, device=p.device)
+    return ref, total, acc
+
+
+def _query_block(
+    p: Problem,
+    ops: Operands,
+    inner: tuple[int, ...],
+    block: QueryBlock,
+    maxima: bool,
+    fixed: bool,
+) -> tuple[Array, Array, Array]:
+    """Output ``(*inner, rows, Ev)``, log-sum-exp ``(*inner, rows)`` and, with ``maxima``,
+    the rows' largest scaled products ``(*inner, rows)`` (else ``None``) of one query block.
+
+    ``ops`` is one batch slice of the operands and ``inner`` its batch shape; ``fixed``:
+    every row takes a reference of 0 (:func:`~.score_bound.fixed_reference`).
+    """
+    xp = p.xp
+    terms = ops.terms
+    n = block.stop - block.start
+    if not block.tiles:
+        out = xp.zeros((*inner, n, p.Ev), dtype=p.compute_dtype, device=p.device)
+        if terms.sink is None:
+            lse = xp.full((*inner, n), -math.inf, dtype=p.compute_dtype, device=p.device)
+        else:  # only the sink is left in each row
+            lse = xp.broadcast_to(terms.sink, (*inner, n, 1))[..., 0]
+        empty = xp.full((*inner, n), -math.inf, dtype=p.compute_dtype, device=p.device)
+        return out, lse, empty if maxima else None
+    q = ops.q[..., block.start : block.stop, :]
+    best = None
+    if fixed:
+        ref, total, acc = _fixed_reference_tiles(p, ops, q, block)
+    else:
+        ref, total, acc, best = _online_tiles(p, ops, q, block, maxima)
     inv = safe_reciprocal(p, total)
     out = acc * (inv if ops.dropout is None else inv * ops.dropout.factor)
     lse = log_sum_exp(p, ref, total)
@@ -133,8 +183,9 @@ def blocked_attention(
     items = [(index, block) for index in outer for block in plans[index]]
     inner = batch[split:]
     maxima = outputs.max_scores
+    fixed = not maxima and not plans_for_gpu(p) and fixed_reference(p, ops)
     results = map_blocks(
-        xp, lambda item: _query_block(p, slices[item[0]], inner, item[1], maxima), items
+        xp, lambda item: _query_block(p, slices[item[0]], inner, item[1], maxima, fixed), items
     )
 
     outs, lses, bests = [], [], []

@@ -1,0 +1,82 @@
+"""A fixed softmax reference: ``exp(score)`` without each row's maximum, where that is safe.
+
+The online softmax subtracts each row's running maximum before ``exp`` so that nothing
+overflows, which costs a maximum and a subtraction over every score tile and a rescaling
+whenever a later tile raises the maximum. When every score of a call is known to lie in
+``[-T, T]`` with ``T = log(finfo.max) / 4`` (22.2 in float32, 177 in float64), ``exp(score)``
+is finite and normal for every admissible pair, and a reference of 0 gives the same
+softmax: :func:`fixed_reference` decides it once per call, from a bound read on the host.
+
+The bound is Cauchy-Schwarz's: ``|scale · q·k| <= |scale| · max‖q_i‖ · max‖k_j‖``, at most
+the soft-cap where there is one, and every sink must lie in ``[-T, T]`` too. The values
+must also keep their digits once multiplied by weights in ``[e^-T, e^T]``: the largest
+``|v|`` times ``S e^T`` stays below a quarter of the largest float, and the smallest
+non-zero ``|v|`` times ``e^-T · eps`` above the smallest normal one. Where the terms are not
+known (a bias or a caller's function, which may add anything), where a value cannot be read
+without waiting for a device or computing a lazy graph (:func:`known_value`), or where a
+check fails (a NaN fails them all), the kernels keep the running maximum.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .._arrays.compat import known_value
+from .._arrays.typing import Array
+from .._problem.problem import Problem
+from .operands import Operands
+
+__all__ = ["exponent_limit", "fixed_reference"]
+
+
+def exponent_limit(p: Problem) -> float:
+    """``T = log(finfo(compute dtype).max) / 4``: the largest score bound for which the
+    kernels take ``exp(score)`` without a row maximum."""
+    return math.log(float(p.xp.finfo(p.compute_dtype).max)) / 4
+
+
+def _largest(p: Problem, x: Array) -> float | None:
+    return known_value(p.xp.max(x))
+
+
+def _largest_norm(p: Problem, x: Array) -> float | None:
+    """The largest Euclidean norm of ``x``'s rows (last axis), read on the host."""
+    square = _largest(p, p.xp.sum(x * x, axis=-1))
+    return None if square is None else math.sqrt(square)
+
+
+def fixed_reference(p: Problem, ops: Operands) -> bool:
+    """Whether every score of the call lies within ``±T`` (:func:`exponent_limit`) and the
+    values keep their digits under weights in ``[e^-T, e^T]``: the softmax may then take
+    ``exp(score)`` with a reference of 0 for every row."""
+    terms = ops.terms
+    if terms.bias is not None or terms.bias_mod is not None or terms.score_mod is not None:
+        return False
+    if p.L == 0 or p.S == 0:
+        return False
+    xp = p.xp
+    limit = exponent_limit(p)
+    scale = 1.0 if terms.scale_in_query else known_value(terms.scale)
+    q_norm = _largest_norm(p, ops.q)
+    k_norm = _largest_norm(p, ops.k)
+    if scale is None or q_norm is None or k_norm is None:
+        return False
+    bound = abs(scale) * q_norm * k_norm
+    if terms.softcap is not None:
+        bound = min(bound, terms.softcap)
+    if not bound <= limit:  # NaN fails too
+        return False
+    if terms.sink is not None:
+        sink = _largest(p, xp.abs(terms.sink))
+        if sink is None or not sink <= limit:
+            return False
+    magnitude = xp.abs(ops.v)
+    largest = _largest(p, magnitude)
+    inf = xp.asarray(math.inf, dtype=p.compute_dtype, device=p.device)
+    smallest = known_value(xp.min(xp.where(magnitude == 0, inf, magnitude)))
+    if largest is None or smallest is None:
+        return False
+    finfo = xp.finfo(p.compute_dtype)
+    fits = largest * p.S * math.exp(limit) <= float(finfo.max) / 4
+    keeps_digits = smallest * math.exp(-limit) * float(finfo.eps) >= float(finfo.smallest_normal)
+    return bool(fits and keeps_digits)

@@ -1,0 +1,186 @@
+"""The fixed softmax reference of the blocked forward kernel (``_kernels/score_bound.py``).
+
+* when it is taken: bounded scores and values on a library whose values can be read, and
+  not where a score may exceed ``T`` (large logits, a large sink, a soft-cap above ``T``),
+  where the values would lose digits (huge or tiny entries), where the terms are unknown (a
+  bias or a caller's function), where nothing can be read (NaN, a JAX tracer, a lazy Dask
+  array), nor with the maximum scores;
+* both paths of the kernel, the fixed reference and the online softmax, against the oracle
+  on every backend and dtype with the options that change the softmax (causal, a mask with
+  empty rows, sinks, dropout, GQA, lengths), and against each other.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import sdpa_array
+from sdpa_array._kernels import blocked, score_bound
+from sdpa_array._kernels.operands import prepare
+from sdpa_array._problem.options import Options
+from sdpa_array._problem.problem import Inputs, validate
+from tests.helpers import check_against_oracle
+
+pytestmark = pytest.mark.slow_on("jax", "dask")
+
+
+def _decision(q, k, v, **options) -> bool:
+    p = validate(q, k, v, Options(**options))
+    x = Inputs(q, k, v, bias=options.get("bias"), sinks=options.get("sinks"))
+    return score_bound.fixed_reference(p, prepare(p, x))
+
+
+def _unit(shape=(1, 2, 16, 8), seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+
+
+def test_limit_follows_the_dtype():
+    q, k, v = _unit()
+    p = validate(q, k, v, Options())
+    assert score_bound.exponent_limit(p) == pytest.approx(math.log(np.finfo(np.float32).max) / 4)
+    p64 = validate(*(a.astype(np.float64) for a in (q, k, v)), Options())
+    assert score_bound.exponent_limit(p64) == pytest.approx(709.78 / 4, rel=1e-4)
+
+
+def test_taken_for_bounded_scores():
+    q, k, v = _unit()
+    assert _decision(q, k, v)
+    assert _decision(q, k, v, is_causal=True, sinks=np.ones(2, np.float32))
+    # a soft-cap bounds every score whatever the products
+    assert _decision(q * 100, k * 100, v, softcap=20.0)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda q, k, v, o: (q * 31.6, k * 31.6, v, o), id="large-logits"),
+        pytest.param(lambda q, k, v, o: (q * 100, k * 100, v, {"softcap": 30.0}), id="softcap>T"),
+        pytest.param(
+            lambda q, k, v, o: (q, k, v, {"sinks": np.array([1.0, 30.0], np.float32)}),
+            id="large-sink",
+        ),
+        pytest.param(lambda q, k, v, o: (q, k, v * 1e32, o), id="huge-values"),
+        pytest.param(lambda q, k, v, o: (q, k, v * 1e-30, o), id="tiny-values"),
+        pytest.param(
+            lambda q, k, v, o: (np.where(q > 2, np.nan, q).astype(np.float32), k, v, o), id="nan"
+        ),
+        pytest.param(
+            lambda q, k, v, o: (q, k, v, {"bias": np.zeros((16, 16), np.float32)}), id="bias"
+        ),
+        pytest.param(
+            lambda q, k, v, o: (q, k, v, {"bias_mod": sdpa_array.mods.alibi(np.ones(2))}),
+            id="bias_mod",
+        ),
+        pytest.param(
+            lambda q, k, v, o: (q, k, v, {"score_mod": sdpa_array.mods.tanh_softcap(5.0)}),
+            id="score_mod",
+        ),
+    ],
+)
+def test_refused(change):
+    q, k, v, options = change(*_unit(), {})
+    assert not _decision(q, k, v, **options)
+
+
+def test_refused_where_values_cannot_be_read():
+    jax = pytest.importorskip("jax")
+    q, k, v = (jax.numpy.asarray(a) for a in _unit())
+    assert _decision(q, k, v)  # eager arrays are read
+    seen = []
+
+    def traced(q, k, v):
+        seen.append(_decision(q, k, v))
+        return q
+
+    jax.jit(traced)(q, k, v)
+    assert seen == [False]
+
+
+def test_refused_for_lazy_dask_arrays():
+    da = pytest.importorskip("dask.array")
+    q, k, v = (da.from_array(a, chunks=8) for a in _unit())
+    assert not _decision(q, k, v)
+
+
+def test_not_taken_with_max_scores(monkeypatch):
+    calls = []
+    monkeypatch.setattr(blocked, "fixed_reference", lambda p, ops: calls.append(1) or True)
+    q, k, v = _unit()
+    sdpa_array.scaled_dot_product_attention(
+        q, k, v, implementation="blocked", return_max_scores=True
+    )
+    assert calls == []
+
+
+def _mask(L, S):
+    mask = np.random.default_rng(3).random((L, S)) > 0.4
+    mask[1] = False  # a row without keys: zero output, -inf log-sum-exp
+    return mask
+
+
+CASES = [
+    pytest.param({}, id="plain"),
+    pytest.param({"is_causal": True}, id="causal"),
+    pytest.param({"mask": "rows"}, id="empty-rows"),
+    pytest.param({"sinks": np.array([0.5, -1.0, 2.0, 0.0])}, id="sinks"),
+    pytest.param({"mask": "rows", "sinks": np.array([0.5, -1.0, 2.0, 0.0])}, id="rows+sinks"),
+    pytest.param({"dropout_p": 0.3, "dropout_seed": 5}, id="dropout"),
+    pytest.param({"softcap": 3.0, "is_causal": True}, id="softcap"),
+    pytest.param({"query_lengths": [9, 4], "key_lengths": [11, 0]}, id="lengths"),
+]
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "online"])
+@pytest.mark.parametrize("options", CASES)
+def test_both_paths_against_the_oracle(backend_dtype, options, fixed, monkeypatch):
+    """Each path, forced, within the oracle's bounds; on eager CPU arrays the fixed one is
+    taken by itself here, on lazy ones and on a GPU never."""
+    backend, dtype = backend_dtype
+    decided = []
+
+    def forced(p, ops):
+        decided.append(score_bound.fixed_reference(p, ops))
+        return fixed
+
+    monkeypatch.setattr(blocked, "fixed_reference", forced)
+    rng = np.random.default_rng(11)
+    L, S = 13, 11
+    q, k, v = (rng.standard_normal((2, n, L if i == 0 else S, 4)) for i, n in enumerate((4, 2, 2)))
+    run = dict(options)
+    if run.get("mask") == "rows":
+        run["mask"] = _mask(L, S)
+    if "sinks" in run:
+        run["sinks"] = backend.asarray(run["sinks"], dtype)
+    for name in ("query_lengths", "key_lengths"):
+        if name in run:
+            run[name] = backend.asarray(np.asarray(run[name], np.int32))
+    original = sdpa_array.scaled_dot_product_attention
+
+    def small_blocks(*args, **kwargs):
+        return original(*args, block_q=4, block_k=3, **kwargs)
+
+    monkeypatch.setattr(sdpa_array, "scaled_dot_product_attention", small_blocks)
+    check_against_oracle(
+        backend,
+        dtype,
+        q,
+        k,
+        v,
+        implementation="blocked",
+        return_weights=False,
+        enable_gqa=True,
+        **run,
+    )
+    if backend.device != "cpu":  # GPU plans never read a value on the host
+        assert decided == []
+        return
+    assert decided, "the blocked kernel did not decide its softmax reference"
+    library = backend.id.split(":")[0]
+    if library in ("numpy", "torch", "strict"):  # eager values, read on the host
+        assert all(decided)
+    if library == "dask":  # a lazy graph is not computed for it
+        assert not any(decided)
