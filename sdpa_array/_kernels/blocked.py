@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from .._arrays import inplace
+from .._arrays import inplace, products
 from .._arrays.parallel import map_blocks
 from .._arrays.typing import Array
 from .._problem.outputs import Outputs
@@ -65,7 +65,7 @@ def _online_tiles(
         tile_total = row_sum(p, e)
         if ops.dropout is not None:  # dropped after the softmax; 1 / (1 - p) comes last
             e = ops.dropout.tile(xp, e, rows, cols, p.device, scaled=False)
-        tile_out = xp.matmul(e, ops.v[..., cols, :])
+        tile_out = products.matmul(xp, e, ops.v[..., cols, :])
         del e
         if running_max is None:
             total, acc = tile_total, tile_out
@@ -96,7 +96,7 @@ def _fixed_reference_tiles(
         tile_total = row_sum(p, e)
         if ops.dropout is not None:
             e = ops.dropout.tile(xp, e, rows, cols, p.device, scaled=False)
-        tile_out = xp.matmul(e, ops.v[..., cols, :])
+        tile_out = products.matmul(xp, e, ops.v[..., cols, :])
         del e
         total = tile_total if total is None else inplace.add(tile_total, total)
         acc = tile_out if acc is None else inplace.add(acc, tile_out)

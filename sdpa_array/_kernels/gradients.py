@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._arrays import inplace
+from .._arrays import inplace, products
 from .._arrays.slicing import at_batch
 from .._arrays.typing import Array
 from .._problem.problem import Inputs, Problem
@@ -180,9 +180,9 @@ def _probabilities(p: Problem, terms: ScoreTerms, s: Array, lse_rows: Array) -> 
     """
     xp = p.xp
     if lse_rows is not None:
-        return xp.exp(inplace.subtract(s, lse_rows)), None
+        return inplace.exp(xp, inplace.subtract(s, lse_rows)), None
     ref = exp_shift(p, terms.row_max(xp, xp.max(s, axis=-1, keepdims=True)))
-    prob = xp.exp(inplace.subtract(s, ref))
+    prob = inplace.exp(xp, inplace.subtract(s, ref))
     total = row_sum(p, prob)
     sink = terms.sink_total(xp, ref)
     if sink is not None:
@@ -257,7 +257,7 @@ def tile_gradients(
     # the sink's dZ is p_sink * (0 - D), its value being zero
     dsink = None if p_sink is None else -xp.sum(p_sink * delta, axis=-2, keepdims=True)
     dz = inplace.multiply(inplace.subtract(d_prob, delta), prob)  # P * (dP - D)
-    dv = xp.matmul(xp.matrix_transpose(merge_groups(p, kept)), merge_groups(p, r.d_out))
+    dv = products.matmul(xp, xp.matrix_transpose(merge_groups(p, kept)), merge_groups(p, r.d_out))
     del prob, kept
     dtables = None
     if trainable:  # dZ is the bias's cotangent
@@ -268,8 +268,8 @@ def tile_gradients(
         ds = dz * factor
     else:
         ds = dz = inplace.multiply(dz, factor)
-    dq = xp.matmul(ds, k)
+    dq = products.matmul(xp, ds, k)
     if factor is None:
         dq = inplace.multiply(dq, ops.terms.scale)
-    dk = xp.matmul(xp.matrix_transpose(merge_groups(p, ds)), merge_groups(p, r.q))
+    dk = products.matmul(xp, xp.matrix_transpose(merge_groups(p, ds)), merge_groups(p, r.q))
     return TileGrads(dq=dq, dk=dk, dv=dv, dz=dz if need_dz else None, dsink=dsink, dtables=dtables)

@@ -9,6 +9,7 @@ largest scaled products (for the maximum scores) come from the same tile.
 
 from __future__ import annotations
 
+from .._arrays import products
 from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .layout import ungroup
@@ -37,7 +38,7 @@ def materialized_attention(p: Problem, x: Inputs, outputs: Outputs) -> Attention
     if ops.dropout is not None:
         e = ops.dropout.tile(xp, e, rows, cols, p.device, scaled=False)
         inv = inv * ops.dropout.factor
-    out = ungroup(p, xp.matmul(e, ops.v) * inv)
+    out = ungroup(p, products.matmul(xp, e, ops.v) * inv)
     weights = ungroup(p, e * inv) if outputs.weights else None
     lse = ungroup(p, log_sum_exp(p, row_max, total)[..., None])[..., 0] if outputs.lse else None
     row_maxima = None if maxima is None else ungroup(p, maxima)[..., 0]

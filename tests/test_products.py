@@ -1,0 +1,62 @@
+"""``_arrays/products.py``: long contractions split into chunks on NumPy's BLAS.
+
+The split product equals the plain one up to rounding for every length (ragged last chunk,
+transposed views), cuts the contraction where it applies and nowhere else, and makes the
+float32 error of a long contraction smaller (the accuracy against torch is pinned in
+``test_accuracy_long_rows.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sdpa_array._arrays import products
+from sdpa_array._arrays.compat import array_namespace
+
+
+@pytest.mark.parametrize("k", [1, 127, 128, 129, 300, 1000, 1024])
+def test_equals_the_plain_product(k):
+    rng = np.random.default_rng(k)
+    a = rng.standard_normal((2, 3, 17, k))
+    b = rng.standard_normal((2, 3, 5, k))
+    xp = array_namespace({"a": a})
+    got = products.matmul(xp, a, np.swapaxes(b, -1, -2))  # a transposed view, as dSᵀ Q
+    want = np.einsum("...ik,...jk->...ij", a, b)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.sqrt(k))
+
+
+def test_splits_only_long_contractions_on_numpy(monkeypatch):
+    calls = []
+    xp = array_namespace({"a": np.ones(1)})
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(xp, name)
+
+        def matmul(self, a, b):
+            calls.append(int(a.shape[-1]))
+            return xp.matmul(a, b)
+
+    monkeypatch.setattr(products, "namespace_name", lambda _: "numpy")
+    products.matmul(Counting(), np.ones((4, 300)), np.ones((300, 2)))
+    assert calls == [100, 100, 100]  # balanced chunks of at most CHUNK
+    calls.clear()
+    products.matmul(Counting(), np.ones((4, products.CHUNK)), np.ones((products.CHUNK, 2)))
+    assert calls == [products.CHUNK]
+    calls.clear()
+    monkeypatch.setattr(products, "namespace_name", lambda _: "torch")
+    products.matmul(Counting(), np.ones((4, 300)), np.ones((300, 2)))
+    assert calls == [300]
+
+
+def test_smaller_float32_error_for_a_long_contraction():
+    """Probabilities times values over 4096 keys: the split error is below the plain one."""
+    rng = np.random.default_rng(0)
+    e = rng.random((64, 4096)).astype(np.float32)
+    v = rng.standard_normal((4096, 64)).astype(np.float32)
+    exact = e.astype(np.float64) @ v.astype(np.float64)
+    xp = array_namespace({"e": e})
+    split = np.linalg.norm(products.matmul(xp, e, v) - exact)
+    plain = np.linalg.norm(np.matmul(e, v) - exact)
+    assert split < plain
