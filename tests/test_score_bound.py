@@ -5,9 +5,10 @@
   where the values would lose digits (huge or tiny entries), where the terms are unknown (a
   bias or a caller's function), where nothing can be read (NaN, a JAX tracer, a lazy Dask
   array), nor with the maximum scores;
-* both paths of the kernel, the fixed reference and the online softmax, against the oracle
-  on every backend and dtype with the options that change the softmax (causal, a mask with
-  empty rows, sinks, dropout, GQA, lengths), and against each other.
+* both paths of the forward kernel, the fixed reference and the online softmax, and both
+  softmaxes of the backward kernel's tiles that hold whole rows, against the oracle on every
+  backend and dtype with the options that change the softmax (causal, a mask with empty
+  rows, sinks, dropout, GQA, lengths).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import numpy as np
 import pytest
 
 import sdpa_array
-from sdpa_array._kernels import blocked, score_bound
+from sdpa_array._kernels import blocked, score_bound, vjp_blocked
 from sdpa_array._kernels.operands import prepare
 from sdpa_array._problem.options import Options
 from sdpa_array._problem.problem import Inputs, validate
-from tests.helpers import check_against_oracle
+from tests.helpers import check_against_oracle, check_vjp_against_oracle
 
 pytestmark = pytest.mark.slow_on("jax", "dask")
 
@@ -183,4 +184,42 @@ def test_both_paths_against_the_oracle(backend_dtype, options, fixed, monkeypatc
     if library in ("numpy", "torch", "strict"):  # eager values, read on the host
         assert all(decided)
     if library == "dask":  # a lazy graph is not computed for it
+        assert not any(decided)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "row-maximum"])
+@pytest.mark.parametrize("options", CASES)
+def test_both_backward_softmaxes_against_the_oracle(backend_dtype, options, fixed, monkeypatch):
+    """The blocked VJP's tiles hold whole rows here: each softmax, forced, within the
+    oracle's bounds; on eager CPU arrays the fixed reference is taken by itself."""
+    backend, dtype = backend_dtype
+    decided = []
+
+    def forced(p, ops):
+        decided.append(score_bound.fixed_reference(p, ops))
+        return fixed
+
+    monkeypatch.setattr(vjp_blocked, "fixed_reference", forced)
+    rng = np.random.default_rng(12)
+    L, S = 13, 11
+    q, k, v = (rng.standard_normal((2, n, L if i == 0 else S, 4)) for i, n in enumerate((4, 2, 2)))
+    grad = rng.standard_normal((2, 4, L, 4))
+    run = dict(options)
+    if run.get("mask") == "rows":
+        run["mask"] = _mask(L, S)
+    if "sinks" in run:
+        run["sinks"] = backend.asarray(run["sinks"], dtype)
+    for name in ("query_lengths", "key_lengths"):
+        if name in run:
+            run[name] = backend.asarray(np.asarray(run[name], np.int32))
+    check_vjp_against_oracle(
+        backend, dtype, q, k, v, grad, implementation="blocked", enable_gqa=True, **run
+    )
+    if backend.device != "cpu":  # GPU plans never read a value on the host
+        assert decided == []
+        return
+    library = backend.id.split(":")[0]
+    if library in ("numpy", "torch", "strict"):  # eager values, read on the host
+        assert decided and all(decided)
+    if library == "dask":
         assert not any(decided)

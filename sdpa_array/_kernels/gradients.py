@@ -171,20 +171,28 @@ def prepare_backward(
     )
 
 
-def _probabilities(p: Problem, terms: ScoreTerms, s: Array, lse_rows: Array) -> tuple[Array, Array]:
+def _probabilities(
+    p: Problem, terms: ScoreTerms, s: Array, lse_rows: Array, *, fixed: bool = False
+) -> tuple[Array, Array]:
     """``P`` of a tile from its final scores ``s``, which this consumes, and the sink's share.
 
     With ``lse_rows=None`` the tile holds every admissible key of its rows and ``P`` is its
     row-wise softmax (the sink in its denominator), and the sink's share ``p_sink``
     ``(..., 1)`` is returned too; otherwise ``P = exp(s - lse)`` and ``p_sink`` is ``None``.
+    ``fixed``: the softmax takes a reference of 0 instead of each row's maximum
+    (:func:`~.score_bound.fixed_reference` holds).
     """
     xp = p.xp
     if lse_rows is not None:
         return inplace.exp(xp, inplace.subtract(s, lse_rows)), None
-    ref = exp_shift(p, terms.row_max(xp, xp.max(s, axis=-1, keepdims=True)))
-    prob = inplace.exp(xp, inplace.subtract(s, ref))
+    if fixed:
+        prob = inplace.exp(xp, s)
+        sink = None if terms.sink is None else xp.exp(terms.sink)
+    else:
+        ref = exp_shift(p, terms.row_max(xp, xp.max(s, axis=-1, keepdims=True)))
+        prob = inplace.exp(xp, inplace.subtract(s, ref))
+        sink = terms.sink_total(xp, ref)
     total = row_sum(p, prob)
-    sink = terms.sink_total(xp, ref)
     if sink is not None:
         total = total + sink
     inv = safe_reciprocal(p, total)
@@ -219,6 +227,7 @@ def tile_gradients(
     cols: slice,
     *,
     need_dz: bool,
+    fixed: bool = False,
 ) -> TileGrads:
     """Gradient contributions of the (``rows``, ``cols``) tile.
 
@@ -234,6 +243,9 @@ def tile_gradients(
         Query and key index ranges of the tile.
     need_dz : bool
         Whether to return the score gradient (for ``dBias``).
+    fixed : bool
+        Whether a tile holding whole rows takes its softmax with a reference of 0
+        (:func:`~.score_bound.fixed_reference` holds for the call).
     """
     xp = p.xp
     k = ops.k[..., cols, :]
@@ -241,7 +253,7 @@ def tile_gradients(
     trainable = ops.terms.bias_mod is not None and ops.terms.bias_mod.trainable
     keep_dz = need_dz or trainable
     s, factor = tile_scores(p, ops, r.q, rows, cols, need_factor=True)
-    prob, p_sink = _probabilities(p, ops.terms, s, r.lse)
+    prob, p_sink = _probabilities(p, ops.terms, s, r.lse, fixed=fixed)
     del s
     d_prob = xp.matmul(r.d_out, xp.matrix_transpose(v))
     kept = prob

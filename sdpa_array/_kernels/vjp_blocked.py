@@ -49,6 +49,7 @@ from .layout import concat, sum_to_shape
 from .operands import prepare
 from .restrictions import TileKind
 from .result import RawGrads
+from .score_bound import fixed_reference
 from .tiling import (
     BackwardBlock,
     BackwardPlan,
@@ -97,9 +98,15 @@ def _grid_pieces(plan: BackwardPlan, a: int, b: int) -> list[tuple[int, slice]]:
 
 
 def _query_block(
-    p: Problem, plan: BackwardPlan, b: BackwardOperands, block: BackwardBlock, sums: _Sums
+    p: Problem,
+    plan: BackwardPlan,
+    b: BackwardOperands,
+    block: BackwardBlock,
+    sums: _Sums,
+    fixed: bool,
 ) -> None:
-    """Add the contributions of one query block's tiles to ``sums`` (index ``()``)."""
+    """Add the contributions of one query block's tiles to ``sums`` (index ``()``);
+    ``fixed``: tiles holding whole rows take a softmax reference of 0."""
     xp, ops = p.xp, b.ops
     rows = slice(block.start, block.stop)
     r = b.rows(p, rows)
@@ -111,7 +118,7 @@ def _query_block(
         cols = slice(a, z)
         if per_sequence and ops.restrictions.classify(rows, cols) is TileKind.EMPTY:
             continue  # this sequence's lengths or segments exclude the tile
-        t = tile_gradients(p, ops, r, rows, cols, need_dz=bias is not None)
+        t = tile_gradients(p, ops, r, rows, cols, need_dz=bias is not None, fixed=fixed)
         _add(sums.dq, block.start, t.dq)
         for i, g in enumerate(t.dtables or ()):
             _add(sums.tables, i, g)
@@ -133,13 +140,17 @@ def _query_block(
 
 
 def _item(
-    p: Problem, plan: BackwardPlan, b: BackwardOperands, blocks: tuple[BackwardBlock, ...]
+    p: Problem,
+    plan: BackwardPlan,
+    b: BackwardOperands,
+    blocks: tuple[BackwardBlock, ...],
+    fixed: bool,
 ) -> _Sums:
     """Gradient contributions of some query blocks of one batch slice ``b``."""
     sums = _Sums()
     for block in blocks:
         if block.tiles:
-            _query_block(p, plan, b, block, sums)
+            _query_block(p, plan, b, block, sums, fixed)
     return sums
 
 
@@ -332,7 +343,9 @@ def blocked_vjp(
         slices = _indices(p.kernel_batch[:split])
     items = _deal(plan, slices)
     parts = {index: b.at(index) for index in slices}
-    results = map_blocks(p.xp, lambda item: _item(p, plan, parts[item[0]], item[1]), items)
+    # tiles holding whole rows take their own softmax: a fixed reference where it is safe
+    fixed = b.lse is None and not plans_for_gpu(p) and fixed_reference(p, ops)
+    results = map_blocks(p.xp, lambda item: _item(p, plan, parts[item[0]], item[1], fixed), items)
     sums = _sum_items(b, items, results)
     del results
 
