@@ -108,6 +108,41 @@ def test_forward_plan_covers_every_admissible_pair_once(args, bq, bk, data):
     assert (covered[band_grid] == 1).all()
 
 
+@given(band_args, st.integers(0, 23), st.integers(1, 9))
+def test_query_range_bounds_every_key(args, k0, width):
+    """No query outside ``query_range`` attends a key of the range; a dense mask says
+    nothing (every query may)."""
+    L, S = args[:2]
+    grid = _grid(*args)
+    k0 = min(k0, S - 1)
+    k1 = min(k0 + width, S)
+    r = Restrictions((_band(*args), DenseMask(np.ones((L, S), dtype=bool), S)), L, S)
+    lo, hi = r.query_range(k0, k1)
+    outside = np.ones(L, dtype=bool)
+    outside[lo:hi] = False
+    assert not grid[outside, k0:k1].any()
+
+
+@given(band_args, st.integers(1, 9), st.integers(1, 9))
+def test_forward_plan_with_cut_rows_covers_every_admissible_pair_once(args, bq, bk):
+    """Tiles cut to rows: inside their block, classified exactly for their rows, and
+    together covering every admissible pair once (rows left out attend none of the keys)."""
+    L, S = args[:2]
+    grid = _grid(*args)
+    r = Restrictions((_band(*args),), L, S)
+    covered = np.zeros((L, S), dtype=int)
+    for block in plan_blocks(r, bq, bk, cut_rows=True):
+        for tile in block.tiles:
+            a, b = tile.rows or (block.start, block.stop)
+            assert block.start <= a < b <= block.stop
+            rows, cols = slice(a, b), slice(tile.start, tile.stop)
+            assert tile.kind is _kind(grid[rows, cols])
+            assert tile.kind is not TileKind.EMPTY
+            covered[rows, cols] += 1
+    assert covered.max(initial=0) <= 1
+    assert (covered[grid] == 1).all()
+
+
 @given(band_args, st.sampled_from([None, 2, 3]), st.sampled_from([None, 2, 5]))
 def test_backward_plan_reaches_every_admissible_key(args, bq, bk):
     L, S, is_causal, left, right, bottom_right = args

@@ -8,8 +8,8 @@ autograd must not be changed in place (the values saved for its backward pass wo
 nor can a tensor combined with one that a
 ``torch.func`` transform wraps (under ``vmap`` the other operand may hold more elements than
 it shows), and a read-only NumPy array cannot be.
-The kernels call :func:`add`, :func:`subtract`, :func:`multiply`, :func:`exp` and
-:func:`where_columns` on arrays they created themselves.
+The kernels call :func:`add`, :func:`add_rows`, :func:`subtract`, :func:`multiply`,
+:func:`exp` and :func:`where_columns` on arrays they created themselves.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from array_api_compat import is_numpy_array, is_torch_array, is_writeable_array
 
 from .typing import Array
 
-__all__ = ["add", "exp", "multiply", "subtract", "where_columns"]
+__all__ = ["add", "add_rows", "exp", "multiply", "subtract", "where_columns"]
 
 
 def _functorch_wrapped(a: Array) -> bool:
@@ -72,6 +72,16 @@ def multiply(x: Array, y: Array) -> Array:
         x *= y
         return x
     return x * y
+
+
+def add_rows(xp: ModuleType, x: Array, start: int, stop: int, y: Array) -> Array:
+    """``x`` with ``y`` added to its rows ``[start, stop)`` (second-to-last axis), written
+    into ``x`` where that is allowed, else put together anew; use the returned array."""
+    if tuple(y.shape) == (*x.shape[:-2], stop - start, x.shape[-1]) and _writable(x, y):
+        x[..., start:stop, :] += y
+        return x
+    parts = [x[..., :start, :], x[..., start:stop, :] + y, x[..., stop:, :]]
+    return xp.concat(parts, axis=-2)
 
 
 def exp(xp: ModuleType, x: Array) -> Array:

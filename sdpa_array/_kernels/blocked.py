@@ -81,16 +81,18 @@ def _fixed_reference_tiles(
     p: Problem, ops: Operands, q: Array, block: QueryBlock
 ) -> tuple[Array, Array, Array]:
     """The softmax over the block's tiles with a reference of 0 for every row
-    (:func:`~.score_bound.fixed_reference` holds): no maxima, no rescaling. Returns the
-    reference, ``Σ exp(score)`` and ``Σ exp(score) v``."""
+    (:func:`~.score_bound.fixed_reference` holds): no maxima, no rescaling. A tile cut to
+    some of the block's rows (:attr:`~.tiling.KeyTile.rows`) adds to those rows only.
+    Returns the reference, ``Σ exp(score)`` and ``Σ exp(score) v``."""
     xp = p.xp
-    rows = slice(block.start, block.stop)
-    sink = ops.terms.sink
-    total: Array = None if sink is None else xp.exp(sink)
+    n = block.stop - block.start
+    total: Array = None
     acc: Array = None
     for tile in block.tiles:
         cols = slice(tile.start, tile.stop)
-        s, _ = tile_scores(p, ops, q, rows, cols)
+        r0, r1 = tile.rows or (block.start, block.stop)
+        rows = slice(r0, r1)
+        s, _ = tile_scores(p, ops, q[..., r0 - block.start : r1 - block.start, :], rows, cols)
         e = inplace.exp(xp, s)
         del s
         tile_total = row_sum(p, e)
@@ -98,8 +100,18 @@ def _fixed_reference_tiles(
             e = ops.dropout.tile(xp, e, rows, cols, p.device, scaled=False)
         tile_out = products.matmul(xp, e, ops.v[..., cols, :])
         del e
-        total = tile_total if total is None else inplace.add(tile_total, total)
-        acc = tile_out if acc is None else inplace.add(acc, tile_out)
+        if acc is None and tile.rows is not None:  # rows no tile reaches keep zeros
+            lead = tuple(tile_out.shape[:-2])
+            acc = xp.zeros((*lead, n, p.Ev), dtype=p.compute_dtype, device=p.device)
+            total = xp.zeros((*lead, n, 1), dtype=p.compute_dtype, device=p.device)
+        if acc is None:
+            total, acc = tile_total, tile_out
+        else:
+            a, b = r0 - block.start, r1 - block.start
+            total = inplace.add_rows(xp, total, a, b, tile_total)
+            acc = inplace.add_rows(xp, acc, a, b, tile_out)
+    if ops.terms.sink is not None:
+        total = total + xp.exp(ops.terms.sink)
     ref = xp.zeros(tuple(total.shape), dtype=p.compute_dtype, device=p.device)
     return ref, total, acc
 
@@ -175,15 +187,19 @@ def blocked_attention(
         at_least=len(p.sequence_batch) if per_sequence else 0,
     )
     slices = {index: ops.at(index) for index in outer}
+    maxima = outputs.max_scores
+    fixed = not maxima and not plans_for_gpu(p) and fixed_reference(p, ops)
+    # with the fixed reference a tile may cover some of its block's rows (cut_rows)
     if per_sequence:  # each sequence skips the tiles its own lengths or segments exclude
-        plans = {index: plan_blocks(slices[index].restrictions, bq, bk) for index in outer}
+        plans = {
+            index: plan_blocks(slices[index].restrictions, bq, bk, cut_rows=fixed)
+            for index in outer
+        }
     else:
-        shared = plan_blocks(ops.restrictions, bq, bk)
+        shared = plan_blocks(ops.restrictions, bq, bk, cut_rows=fixed)
         plans = dict.fromkeys(outer, shared)
     items = [(index, block) for index in outer for block in plans[index]]
     inner = batch[split:]
-    maxima = outputs.max_scores
-    fixed = not maxima and not plans_for_gpu(p) and fixed_reference(p, ops)
     results = map_blocks(
         xp, lambda item: _query_block(p, slices[item[0]], inner, item[1], maxima, fixed), items
     )

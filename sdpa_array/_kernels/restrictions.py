@@ -69,7 +69,10 @@ class Restriction(Protocol):
 
     # A member may also define ``classify(rows, cols) -> TileKind`` when its admissible keys
     # are not one range per query block (a mask function's blocks): the ranges then bound
-    # the tile plan, and ``classify`` says which tiles inside them are empty or full.
+    # the tile plan, and ``classify`` says which tiles inside them are empty or full. A
+    # member may define ``query_range(k_start, k_stop) -> (lo, hi)``, the queries outside
+    # which none may attend a key of ``[k_start, k_stop)`` (a band's rows): tiles are then
+    # cut to those rows. Without it every query may.
 
 
 def _member_kind(
@@ -159,6 +162,17 @@ class Restrictions:
         for m in self.members:
             a, b = m.full_range(q_start, q_stop)
             lo, hi = max(lo, a), min(hi, b)
+        return lo, max(lo, hi)
+
+    def query_range(self, k_start: int, k_stop: int) -> tuple[int, int]:
+        """Queries outside which none may attend a key of ``[k_start, k_stop)``
+        (intersection over the members that say, see :class:`Restriction`)."""
+        lo, hi = 0, self.L
+        for m in self.members:
+            rows = getattr(m, "query_range", None)
+            if rows is not None:
+                a, b = rows(k_start, k_stop)
+                lo, hi = max(lo, a), min(hi, b)
         return lo, max(lo, hi)
 
     def classify(self, rows: slice, cols: slice) -> TileKind:

@@ -82,10 +82,12 @@ def tile_bytes(p: Problem) -> int:
     return GPU_TILE_BYTES if plans_for_gpu(p) else TILE_BYTES
 
 
-#: Longest default key block: the online-softmax rescaling of the output (``block_q * Ev``
-#: per key block) stays small beside the tile, and ``block_q`` stays at 256 for float32
-#: (128 for float64) in the tile budget.
-MAX_BLOCK_K = 1024
+#: Longest default key block; the query block fills the rest of the tile budget (1024 rows
+#: in float32, 512 in float64). On NumPy the product ``q kᵀ`` of a 256-key tile runs about
+#: 20 % faster per score than that of a 1024-key one, and a tall block costs a causal call
+#: little since its tiles are cut to the rows that reach their keys (``cut_rows`` of
+#: :func:`plan_blocks`); docs/performance.md has the measurements (issue 28).
+MAX_BLOCK_K = 256
 
 #: Default blocks are multiples of this (matrix-product kernels prefer aligned sizes).
 BLOCK_ALIGN = 16
@@ -104,11 +106,17 @@ MIN_ROWS = 64
 
 @dataclass(frozen=True)
 class KeyTile:
-    """Keys ``[start, stop)`` of one forward tile and how the restrictions cover it."""
+    """Keys ``[start, stop)`` of one forward tile and how the restrictions cover it.
+
+    ``rows``: the query rows ``(start, stop)`` of the tile when it covers fewer than its
+    block's (the others attend none of its keys), else ``None``; ``kind`` is that of
+    those rows.
+    """
 
     start: int
     stop: int
     kind: TileKind
+    rows: tuple[int, int] | None = None
 
     @property
     def full(self) -> bool:
@@ -180,24 +188,66 @@ def choose_block_sizes(
     return min(block_q, L), min(block_k, S)
 
 
-def _tiles(r: Restrictions, rows: slice, lo: int, hi: int, size: int) -> list[KeyTile]:
+def _tiles(
+    r: Restrictions, rows: slice, lo: int, hi: int, size: int, cut_rows: bool
+) -> list[KeyTile]:
     tiles = []
     for k0 in range(lo, hi, size):
         cols = slice(k0, min(k0 + size, hi))
         kind = r.classify(rows, cols)
-        if kind is not TileKind.EMPTY:
+        if kind is TileKind.EMPTY:
+            continue
+        if not cut_rows:
             tiles.append(KeyTile(cols.start, cols.stop, kind))
+            continue
+        a, b = r.query_range(cols.start, cols.stop)
+        a, b = max(a, rows.start), min(b, rows.stop)
+        if a >= b:
+            a, b = rows.start, rows.stop
+        m = _full_rows_from(r, a, b, cols) if kind is TileKind.PARTIAL else b
+        if b - m < BLOCK_ALIGN:  # too few full rows to be worth a tile of their own
+            m = b
+        if a < m:
+            kind = r.classify(slice(a, m), cols)
+            tiles.append(KeyTile(cols.start, cols.stop, kind, _cut(a, m, rows)))
+        if m < b:
+            tiles.append(KeyTile(cols.start, cols.stop, TileKind.FULL, _cut(m, b, rows)))
     return tiles
 
 
-def plan_blocks(r: Restrictions, block_q: int, block_k: int) -> list[QueryBlock]:
+def _cut(a: int, b: int, rows: slice) -> tuple[int, int] | None:
+    """``(a, b)``, or ``None`` when those are all of ``rows``."""
+    return None if (a, b) == (rows.start, rows.stop) else (a, b)
+
+
+def _full_rows_from(r: Restrictions, a: int, b: int, cols: slice) -> int:
+    """The first row ``m`` of ``[a, b)`` from which every row attends every key of ``cols``
+    (``b`` when none does), by bisection: the rows that do are a final run of the block
+    under restrictions whose key ranges grow with the row (bands; others never cut)."""
+    if r.classify(slice(b - 1, b), cols) is not TileKind.FULL:
+        return b
+    lo, hi = a, b - 1  # rows [hi, b) attend every key; find the smallest such hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if r.classify(slice(mid, b), cols) is TileKind.FULL:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def plan_blocks(
+    r: Restrictions, block_q: int, block_k: int, *, cut_rows: bool = False
+) -> list[QueryBlock]:
     """The query blocks of a forward pass and, for each, the key tiles it must visit.
 
     Keys outside :meth:`Restrictions.key_range` of a query block are skipped. The
     reachable range is cut into the keys that every query of the block may attend
     (:meth:`Restrictions.full_range`) and the partial bands on either side, so that as few
     tiles as possible need a mask; each part is split into tiles of at most ``block_k``
-    keys, and tiles the restrictions classify as empty are dropped.
+    keys, and tiles the restrictions classify as empty are dropped. With ``cut_rows`` a
+    tile keeps only the block's rows that may attend its keys
+    (:meth:`Restrictions.query_range`, :attr:`KeyTile.rows`).
 
     Returns
     -------
@@ -213,7 +263,9 @@ def plan_blocks(r: Restrictions, block_q: int, block_k: int) -> list[QueryBlock]
         full_lo = min(max(full_lo, lo), hi)
         full_hi = max(min(full_hi, hi), full_lo)
         cuts = [lo, hi] if full_lo >= full_hi else [lo, full_lo, full_hi, hi]
-        tiles = [t for a, b in itertools.pairwise(cuts) for t in _tiles(r, rows, a, b, block_k)]
+        tiles = [
+            t for a, b in itertools.pairwise(cuts) for t in _tiles(r, rows, a, b, block_k, cut_rows)
+        ]
         blocks.append(QueryBlock(rows.start, rows.stop, tuple(tiles)))
     return blocks
 

@@ -90,6 +90,16 @@ class Band:
         hi = min(self.S, self._keys_of(q_start)[1])
         return lo, max(lo, hi)
 
+    def query_range(self, k_start: int, k_stop: int) -> tuple[int, int]:
+        """Queries ``[lo, hi)`` outside which none may attend a key of ``[k_start, k_stop)``."""
+        if k_start >= k_stop:
+            return 0, 0
+        upper = self._upper()
+        # query i reaches keys [i + offset - left, i + offset + upper]
+        lo = 0 if upper is None else max(0, k_start - self.offset - upper)
+        hi = self.L if self.left is None else min(self.L, k_stop - self.offset + self.left)
+        return lo, max(lo, hi)
+
     def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array:
         return self.mask_with_offset(xp, device, rows, cols, self.offset)
 
