@@ -195,12 +195,21 @@ def test_bench_rows_give_median_and_range(capsys: pytest.CaptureFixture[str]) ->
     assert re.search(r"is_causal=True takes [0-9.]+x the time of is_causal=False", out)
 
 
-def test_interleaved_rounds_rotate_the_candidates() -> None:
+def test_interleaved_rounds_shuffle_the_candidates() -> None:
+    """Each round calls every candidate once; a candidate's predecessor changes between
+    rounds; the order repeats from run to run."""
     calls: list[str] = []
-    candidates = {name: (lambda name=name: calls.append(name)) for name in "abc"}
-    times = bench.interleaved_times(candidates, lambda _: None, repeat=3, warmup=1)
-    assert calls == list("abc" + "bca" + "cab" + "abc")
-    assert {name: len(t) for name, t in times.items()} == {"a": 3, "b": 3, "c": 3}
+    candidates = {name: (lambda name=name: calls.append(name)) for name in "abcd"}
+    times = bench.interleaved_times(candidates, lambda _: None, repeat=8, warmup=1)
+    rounds = [calls[i : i + 4] for i in range(0, len(calls), 4)]
+    assert all(sorted(r) == list("abcd") for r in rounds)
+    predecessors = {r[r.index("a") - 1] for r in rounds if r.index("a") > 0}
+    assert len(predecessors) > 1
+    assert {name: len(t) for name, t in times.items()} == dict.fromkeys("abcd", 8)
+    again: list[str] = []
+    repeat = {name: (lambda name=name: again.append(name)) for name in "abcd"}
+    bench.interleaved_times(repeat, lambda _: None, repeat=8, warmup=1)
+    assert again == calls
 
 
 @pytest.mark.parametrize("repeat", ["0", "-1", "x"])

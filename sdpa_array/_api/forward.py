@@ -246,8 +246,12 @@ def scaled_dot_product_attention(
     bias_mod : callable, optional
         A bias function ``bias_mod(batch, head, q_idx, kv_idx) -> floating array`` with the
         same arguments, added to the scores where ``bias`` is (after ``softcap``, before the
-        masks; ``-inf`` excludes), e.g. :func:`sdpa_array.mods.alibi`. No gradient reaches
-        it.
+        masks; ``-inf`` excludes), e.g. :func:`sdpa_array.mods.alibi`. Gradients reach the
+        trainable arrays it declares as ``parameters`` (the ready-made ALiBi slopes and T5
+        tables) on every path, under torch autograd and ``jax.grad``, and from
+        :func:`scaled_dot_product_attention_vjp` with ``return_mod_gradients=True``; arrays
+        it captures without declaring them get theirs from torch's or JAX's autodiff of the
+        materialized path, which ``"auto"`` then runs.
     score_mod : callable, optional
         A score function ``score_mod(score, batch, head, q_idx, kv_idx) -> floating array``
         applied element-wise to the scaled scores ``scale · q·k`` (before ``softcap``,
@@ -315,7 +319,7 @@ def scaled_dot_product_attention(
     block_q, block_k : int, optional
         Query and key block sizes of the blocked implementation. By default they are
         chosen from the shapes and dtype so that one score tile is about 1 MiB (key blocks
-        up to 1024, the query block filling the rest).
+        up to 256, the query block filling the rest).
     layout : {"BHLE", "BLHE"}, default "BHLE"
         How ``query``, ``key``, ``value`` and the output hold their axes: ``"BHLE"``
         ``(..., H, L, E)``, or ``"BLHE"`` ``(..., L, H, E)`` (transformers', Flax's and

@@ -14,8 +14,8 @@ of a long single-head call.
 
 The timing helpers here are shared with the asv suite in ``asv_benchmarks/``, so both
 measure the same way: GPU work is synchronized before the clock is read, each callable runs
-once as warm-up, and repetitions of the candidates are interleaved (each round starting one
-candidate later) so that a noisy machine slows all of them alike.
+once as warm-up, and the candidates are interleaved (a new order each round) so that a
+noisy machine slows all of them alike.
 
 Examples
 --------
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -140,17 +141,17 @@ def interleaved_times(
 ) -> dict[str, list[float]]:
     """Wall-clock seconds of each candidate, ``repeat`` rounds, candidates interleaved.
 
-    Every round calls each candidate once; round ``r`` starts with the candidate ``r``
-    places after the first (in ``candidates``' order, wrapping around), so that no candidate
-    always runs right after the same one. Each call's result is passed to ``sync`` (device
-    synchronization, Dask compute) before the clock stops; ``warmup`` untimed rounds come
-    first. The lists keep the order of the timed rounds.
+    Each round calls every candidate once, in an order shuffled anew (seeded by the round)
+    so that no candidate always follows the same one and its after-effects. Each result goes
+    to ``sync`` (device synchronization, Dask compute) before the clock stops; ``warmup``
+    untimed rounds come first. The lists keep the order of the timed rounds.
     """
     names = list(candidates)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(warmup + repeat):
-        shift = round_ % len(names) if names else 0
-        for name in names[shift:] + names[:shift]:
+        order = list(names)
+        random.Random(round_).shuffle(order)
+        for name in order:
             start = time.perf_counter()
             sync(candidates[name]())
             elapsed = time.perf_counter() - start
