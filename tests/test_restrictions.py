@@ -123,10 +123,16 @@ def test_query_range_bounds_every_key(args, k0, width):
     assert not grid[outside, k0:k1].any()
 
 
-@given(band_args, st.integers(1, 9), st.integers(1, 9))
+long_band_args = st.tuples(
+    st.integers(1, 90), st.integers(1, 90), st.booleans(), sides, sides, st.booleans()
+)
+
+
+@given(st.one_of(band_args, long_band_args), st.integers(1, 64), st.integers(1, 9))
 def test_forward_plan_with_cut_rows_covers_every_admissible_pair_once(args, bq, bk):
     """Tiles cut to rows: inside their block, classified exactly for their rows, and
-    together covering every admissible pair once (rows left out attend none of the keys)."""
+    together covering every admissible pair once (rows left out attend none of the keys);
+    long blocks split a partial tile's full rows off (at least 16 of them)."""
     L, S = args[:2]
     grid = _grid(*args)
     r = Restrictions((_band(*args),), L, S)

@@ -87,6 +87,36 @@ def test_refused(change):
     assert not _decision(q, k, v, **options)
 
 
+def test_tiny_rows_do_not_hide_large_scores():
+    """``‖q‖²`` of entries 1e-23 underflows to 0 in float32; the bound must not (scores here
+    reach about 2e6 through a scale of 1e10)."""
+    rng = np.random.default_rng(0)
+    q = np.full((1, 1, 8, 4), 1e-23, np.float32)
+    k = (np.sign(rng.standard_normal((1, 1, 8, 4))) * 5e18).astype(np.float32)
+    v = rng.standard_normal((1, 1, 8, 3)).astype(np.float32)
+    assert not _decision(q, k, v, scale=1e10)
+    assert not _decision(k, q, v, scale=1e10)
+    out = sdpa_array.scaled_dot_product_attention(q, k, v, scale=1e10, implementation="blocked")
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [((1, 1, 64, 4), (1, 1, 64, 4), (1, 1, 64, 0)), ((0, 2, 64, 4),) * 3],
+    ids=["no-value-features", "empty-batch"],
+)
+def test_empty_operands(shapes):
+    """Nothing to bound: refused, and the calls give their empty results."""
+    q, k, v = (np.ones(s, np.float32) for s in shapes)
+    assert not _decision(q, k, v)
+    out = sdpa_array.scaled_dot_product_attention(q, k, v, implementation="blocked")
+    assert out.shape == (*q.shape[:-1], v.shape[-1])
+    grads = sdpa_array.scaled_dot_product_attention_vjp(
+        q, k, v, np.ones_like(out), implementation="blocked"
+    )
+    assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
+
+
 def test_refused_where_values_cannot_be_read():
     jax = pytest.importorskip("jax")
     q, k, v = (jax.numpy.asarray(a) for a in _unit())

@@ -40,9 +40,18 @@ def _largest(p: Problem, x: Array) -> float | None:
 
 
 def _largest_norm(p: Problem, x: Array) -> float | None:
-    """The largest Euclidean norm of ``x``'s rows (last axis), read on the host."""
-    square = _largest(p, p.xp.sum(x * x, axis=-1))
-    return None if square is None else math.sqrt(square)
+    """The largest Euclidean norm of ``x``'s rows (last axis), read on the host; the rows
+    are divided by the largest ``|x|`` first, so that no square underflows to 0 or
+    overflows (``None`` where that is not finite)."""
+    xp = p.xp
+    top = _largest(p, xp.abs(x))
+    if top is None or not math.isfinite(top):
+        return None
+    if top == 0:
+        return 0.0
+    unit = x / top
+    square = _largest(p, xp.sum(unit * unit, axis=-1))
+    return None if square is None else top * math.sqrt(square)
 
 
 def fixed_reference(p: Problem, ops: Operands) -> bool:
@@ -52,8 +61,8 @@ def fixed_reference(p: Problem, ops: Operands) -> bool:
     terms = ops.terms
     if terms.bias is not None or terms.bias_mod is not None or terms.score_mod is not None:
         return False
-    if p.L == 0 or p.S == 0:
-        return False
+    if any(math.prod(a.shape) == 0 for a in (ops.q, ops.k, ops.v)):
+        return False  # nothing to bound (an empty batch, no features)
     xp = p.xp
     limit = exponent_limit(p)
     scale = 1.0 if terms.scale_in_query else known_value(terms.scale)
