@@ -247,6 +247,15 @@ def _free_gpu_memory_pools():
 
 
 @pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Start each test without the plans kept for repeated calls (:mod:`sdpa_array._plan.cache`):
+    a test that changes the dispatch (a threshold, a kernel table) then sees it planned."""
+    from sdpa_array._plan import cache
+
+    cache.clear()
+
+
+@pytest.fixture(autouse=True)
 def _fresh_jax_eager_programs():
     """Start each test without the compiled programs of eager JAX calls
     (:mod:`sdpa_array._api.jax_eager`): a test that spies on the kernels then sees its

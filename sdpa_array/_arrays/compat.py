@@ -35,6 +35,7 @@ __all__ = [
     "namespace_name",
     "numpy_namespace",
     "on_gpu",
+    "plain_signature",
     "stop_gradient",
 ]
 
@@ -103,6 +104,26 @@ def _jax_platform(x: Any) -> str:
         import jax
 
         return str(jax.default_backend())
+
+
+def plain_signature(x: Any) -> tuple[Any, ...] | None:
+    """``(type, shape, dtype, device, requires_grad)`` of an eager NumPy array, torch tensor
+    or CuPy array, which is all a call's validation reads of it; ``None`` for anything else
+    (subclasses, tensors a ``torch.func`` transform wraps, JAX arrays and tracers, Dask
+    arrays, other libraries), whose validation is not cached."""
+    kind = type(x)
+    if kind is np.ndarray:
+        return (kind, x.shape, x.dtype, "cpu", False)
+    library = kind.__module__.split(".")[0]
+    if library == "torch" and kind.__name__ == "Tensor":
+        import torch
+
+        if torch._C._functorch.is_functorch_wrapped_tensor(x):
+            return None
+        return (kind, tuple(x.shape), x.dtype, x.device, x.requires_grad)
+    if library == "cupy" and kind.__name__ == "ndarray":
+        return (kind, x.shape, x.dtype, x.device.id, False)
+    return None
 
 
 def known_value(x: Any) -> float | None:

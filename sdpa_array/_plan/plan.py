@@ -14,6 +14,7 @@ from .._kernels.native import Request
 from .._problem.options import Options
 from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem, validate
+from . import cache
 from .dispatch import Choice, choose
 
 __all__ = ["Plan", "plan_forward", "plan_vjp"]
@@ -59,11 +60,22 @@ def plan_forward(
     problem: Problem | None = None,
 ) -> Plan:
     """Validate a forward call (or take its ``problem``, already validated) and choose what
-    computes it."""
+    computes it; a call whose signature was planned before takes that plan
+    (:mod:`.cache`)."""
+    sig = None
+    if problem is None:
+        sig = cache.signature(query, key, value, options, outputs, implementation, blocks)
+        kept = None if sig is None else cache.lookup(sig)
+        if kept is not None:
+            p, choice = kept
+            return Plan(p, Inputs.of(query, key, value, options, p), outputs, choice)
     p = validate(query, key, value, options) if problem is None else problem
     x = Inputs.of(query, key, value, options, p)
     request = Request(x, outputs)
-    return Plan(p, x, outputs, choose(p, implementation, blocks, request=request))
+    choice = choose(p, implementation, blocks, request=request)
+    if sig is not None:
+        cache.store(sig, p, choice)
+    return Plan(p, x, outputs, choice)
 
 
 def plan_vjp(

@@ -75,15 +75,35 @@ class Options:
         """A copy with ``changes``."""
         return dataclasses.replace(self, **changes)
 
+    def scalar_signature(self) -> tuple[Any, ...] | None:
+        """Every option with its type, when each is ``None``, a number, a string or a
+        tuple of those (a window): what a call's validation depends on besides its arrays'
+        shapes, dtypes and devices. ``None`` when an option holds an array or a function,
+        whose values or behaviour validation reads."""
+        values = _get_fields(self)
+        kinds = tuple(map(type, values))
+        if not _SIMPLE.issuperset(kinds):
+            return None
+        if tuple in kinds:  # a window: its sides' types too
+            inner = tuple(tuple(map(type, v)) for v in values if type(v) is tuple)
+            if not all(_SIMPLE.issuperset(t) and tuple not in t for t in inner):
+                return None
+            return values, kinds, inner
+        return values, kinds
+
     def keywords(self) -> dict[str, Any]:
         """The options as the public functions' keyword arguments (the values themselves,
         not copies)."""
         return {name: getattr(self, name) for name in _FIELD_NAMES}
 
 
+#: Types of the option values that :meth:`Options.scalar_signature` takes as they are.
+_SIMPLE = frozenset({type(None), bool, int, float, str, tuple})
+
 #: The options' names, in the order of the record's fields.
 _FIELD_NAMES = tuple(field.name for field in dataclasses.fields(Options))
 NAMES = frozenset(_FIELD_NAMES)
+_get_fields = operator.attrgetter(*_FIELD_NAMES)
 
 
 def check_dropout(dropout_p: Any, dropout_seed: Any) -> tuple[float, int | Array | None]:
