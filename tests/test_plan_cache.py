@@ -139,8 +139,22 @@ def test_at_most_max_entries_are_kept(monkeypatch, validations):
 
 
 def test_explain_matches_the_kept_plan():
+    """A kept native choice plans the kernel's call with each call's arrays: ``explain``
+    names the kernel, and the call runs that planned call."""
     torch = pytest.importorskip("torch")
     q, k, v = (torch.from_numpy(a) for a in _arrays())
+    cold = sdpa_array.explain(q, k, v)
     sdpa_array.scaled_dot_product_attention(q, k, v)
-    text = str(sdpa_array.explain(q, k, v))
-    assert "native" in text.splitlines()[0]
+    warm = sdpa_array.explain(q, k, v)
+    assert cold.forward_kernel == "torch.nn.functional.scaled_dot_product_attention"
+    assert warm == cold
+    kept = plan_module.plan_forward(q, k, v, *_plain_call())
+    request, _ = kept.choice.planned
+    assert request.inputs is kept.inputs
+
+
+def _plain_call():
+    from sdpa_array._problem.options import Options
+    from sdpa_array._problem.outputs import Outputs
+
+    return Options(), Outputs.of(False, False, False), "auto", (None, None)

@@ -2,20 +2,22 @@
 
 A call whose arrays are eager NumPy arrays, torch tensors or CuPy arrays
 (:func:`~sdpa_array._arrays.compat.plain_signature`) and whose every option is ``None``, a
-number, a string or a tuple of those (:meth:`~sdpa_array._problem.options.Options.scalar_signature`)
-is validated by what its signature says: the three arrays' types, shapes, dtypes, devices and
-whether they require a gradient, the typed options, the outputs asked for, the
-implementation and the block sizes. The first call of a signature is validated and
-dispatched as any call, and its :class:`~sdpa_array._problem.problem.Problem` and
-:class:`~sdpa_array._plan.dispatch.Choice` are kept here; a later call of the same signature
-takes them and plans only what holds its own arrays (a native kernel's call, planned as the
-kernel runs). This is what makes a small torch call through ``"auto"`` cost a few
-microseconds of planning (docs/performance.md, issue 28).
+number, a string or a tuple of those
+(:meth:`~sdpa_array._problem.options.Options.scalar_signature`) is validated by what its
+signature says: the three arrays' types, shapes, dtypes, devices and whether they require a
+gradient, the typed options, the outputs asked for, the implementation and the block sizes.
+The first call of a signature is validated and dispatched as any call, and its
+:class:`~sdpa_array._problem.problem.Problem` and :class:`~sdpa_array._plan.dispatch.Choice`
+are kept here; a later call of the same signature takes them and plans only what holds its
+own arrays (a native kernel's call). This is what makes a small torch call through
+``"auto"`` cost a few microseconds of planning (docs/performance.md, issue 28).
 
 Calls with an array or a function among their options (a mask, lengths as arrays, a bias
 function...), calls on other libraries, and Triton choices (whose planning reads the device)
 are planned every time. At most :data:`MAX_ENTRIES` signatures are kept, the least recently
-used dropped first; :func:`clear` forgets them all.
+used dropped first; :func:`clear` forgets them all, and must be called after changing the
+dispatch's own settings (its thresholds, the native kernels' table), which a kept plan does
+not read again.
 """
 
 from __future__ import annotations

@@ -7,10 +7,11 @@ what runs (the native kernel planned for it is the one that runs, not planned ag
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .._arrays.typing import Array
-from .._kernels.native import Request
+from .._kernels.native import Request, plan_native
 from .._problem.options import Options
 from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem, validate
@@ -68,7 +69,11 @@ def plan_forward(
         kept = None if sig is None else cache.lookup(sig)
         if kept is not None:
             p, choice = kept
-            return Plan(p, Inputs.of(query, key, value, options, p), outputs, choice)
+            x = Inputs.of(query, key, value, options, p)
+            if choice.name == "native":  # the kernel's call holds this call's arrays
+                request = Request(x, outputs)
+                choice = dataclasses.replace(choice, planned=(request, plan_native(p, request)))
+            return Plan(p, x, outputs, choice)
     p = validate(query, key, value, options) if problem is None else problem
     x = Inputs.of(query, key, value, options, p)
     request = Request(x, outputs)
