@@ -165,22 +165,21 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "online"])
-@pytest.mark.parametrize("options", CASES)
-def test_both_paths_against_the_oracle(backend_dtype, options, fixed, monkeypatch):
-    """Each path, forced, within the oracle's bounds; on eager CPU arrays the fixed one is
-    taken by itself here, on lazy ones and on a GPU never."""
-    backend, dtype = backend_dtype
-    decided = []
+def _forced(monkeypatch, module, fixed: bool) -> list[bool]:
+    """Make ``module``'s kernel take (``fixed``) or not take the fixed reference; the list
+    records what :func:`score_bound.fixed_reference` decided for each call."""
+    decided: list[bool] = []
 
     def forced(p, ops):
         decided.append(score_bound.fixed_reference(p, ops))
         return fixed
 
-    monkeypatch.setattr(blocked, "fixed_reference", forced)
-    rng = np.random.default_rng(11)
-    L, S = 13, 11
-    q, k, v = (rng.standard_normal((2, n, L if i == 0 else S, 4)) for i, n in enumerate((4, 2, 2)))
+    monkeypatch.setattr(module, "fixed_reference", forced)
+    return decided
+
+
+def _run_options(backend, dtype, options, L, S) -> dict:
+    """The case's options as arrays of ``backend`` (the mask with an empty row)."""
     run = dict(options)
     if run.get("mask") == "rows":
         run["mask"] = _mask(L, S)
@@ -189,6 +188,33 @@ def test_both_paths_against_the_oracle(backend_dtype, options, fixed, monkeypatc
     for name in ("query_lengths", "key_lengths"):
         if name in run:
             run[name] = backend.asarray(np.asarray(run[name], np.int32))
+    return run
+
+
+def _check_decisions(backend, decided: list[bool]) -> None:
+    """On eager CPU arrays the fixed reference is taken by itself, on a lazy Dask graph
+    never, and a GPU plan never reads a value on the host (so never decides)."""
+    if backend.device != "cpu":
+        assert decided == []
+        return
+    assert decided, "the blocked kernel did not decide its softmax reference"
+    library = backend.id.split(":")[0]
+    if library in ("numpy", "torch", "strict"):
+        assert all(decided)
+    if library == "dask":
+        assert not any(decided)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "online"])
+@pytest.mark.parametrize("options", CASES)
+def test_both_paths_against_the_oracle(backend_dtype, options, fixed, monkeypatch):
+    """Each forward path, forced, within the oracle's bounds, with small blocks."""
+    backend, dtype = backend_dtype
+    decided = _forced(monkeypatch, blocked, fixed)
+    rng = np.random.default_rng(11)
+    L, S = 13, 11
+    q, k, v = (rng.standard_normal((2, n, L if i == 0 else S, 4)) for i, n in enumerate((4, 2, 2)))
+    run = _run_options(backend, dtype, options, L, S)
     original = sdpa_array.scaled_dot_product_attention
 
     def small_blocks(*args, **kwargs):
@@ -206,51 +232,22 @@ def test_both_paths_against_the_oracle(backend_dtype, options, fixed, monkeypatc
         enable_gqa=True,
         **run,
     )
-    if backend.device != "cpu":  # GPU plans never read a value on the host
-        assert decided == []
-        return
-    assert decided, "the blocked kernel did not decide its softmax reference"
-    library = backend.id.split(":")[0]
-    if library in ("numpy", "torch", "strict"):  # eager values, read on the host
-        assert all(decided)
-    if library == "dask":  # a lazy graph is not computed for it
-        assert not any(decided)
+    _check_decisions(backend, decided)
 
 
 @pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "row-maximum"])
 @pytest.mark.parametrize("options", CASES)
 def test_both_backward_softmaxes_against_the_oracle(backend_dtype, options, fixed, monkeypatch):
     """The blocked VJP's tiles hold whole rows here: each softmax, forced, within the
-    oracle's bounds; on eager CPU arrays the fixed reference is taken by itself."""
+    oracle's bounds."""
     backend, dtype = backend_dtype
-    decided = []
-
-    def forced(p, ops):
-        decided.append(score_bound.fixed_reference(p, ops))
-        return fixed
-
-    monkeypatch.setattr(vjp_blocked, "fixed_reference", forced)
+    decided = _forced(monkeypatch, vjp_blocked, fixed)
     rng = np.random.default_rng(12)
     L, S = 13, 11
     q, k, v = (rng.standard_normal((2, n, L if i == 0 else S, 4)) for i, n in enumerate((4, 2, 2)))
     grad = rng.standard_normal((2, 4, L, 4))
-    run = dict(options)
-    if run.get("mask") == "rows":
-        run["mask"] = _mask(L, S)
-    if "sinks" in run:
-        run["sinks"] = backend.asarray(run["sinks"], dtype)
-    for name in ("query_lengths", "key_lengths"):
-        if name in run:
-            run[name] = backend.asarray(np.asarray(run[name], np.int32))
+    run = _run_options(backend, dtype, options, L, S)
     check_vjp_against_oracle(
         backend, dtype, q, k, v, grad, implementation="blocked", enable_gqa=True, **run
     )
-    if backend.device != "cpu":  # GPU plans never read a value on the host
-        assert decided == []
-        return
-    library = backend.id.split(":")[0]
-    if library in ("numpy", "torch", "strict"):  # eager values, read on the host
-        assert decided
-        assert all(decided)
-    if library == "dask":
-        assert not any(decided)
+    _check_decisions(backend, decided)
