@@ -39,6 +39,17 @@ from .tiling import (
 __all__ = ["blocked_attention"]
 
 
+def _tile_sums(
+    p: Problem, ops: Operands, e: Array, rows: slice, cols: slice
+) -> tuple[Array, Array]:
+    """A tile's row sums of ``e`` (its weights before normalisation) and their product with
+    the tile's values; dropout drops weights after the sums, and ``1 / (1 - p)`` comes last."""
+    tile_total = row_sum(p, e)
+    if ops.dropout is not None:
+        e = ops.dropout.tile(p.xp, e, rows, cols, p.device, scaled=False)
+    return tile_total, products.matmul(p.xp, e, ops.v[..., cols, :])
+
+
 def _online_tiles(
     p: Problem, ops: Operands, q: Array, block: QueryBlock, maxima: bool
 ) -> tuple[Array, Array, Array, Array]:
@@ -62,10 +73,7 @@ def _online_tiles(
         new_ref = exp_shift(p, new_max)
         e = inplace.exp(xp, inplace.subtract(s, new_ref))
         del s
-        tile_total = row_sum(p, e)
-        if ops.dropout is not None:  # dropped after the softmax; 1 / (1 - p) comes last
-            e = ops.dropout.tile(xp, e, rows, cols, p.device, scaled=False)
-        tile_out = products.matmul(xp, e, ops.v[..., cols, :])
+        tile_total, tile_out = _tile_sums(p, ops, e, rows, cols)
         del e
         if running_max is None:
             total, acc = tile_total, tile_out
@@ -95,10 +103,7 @@ def _fixed_reference_tiles(
         s, _ = tile_scores(p, ops, q[..., r0 - block.start : r1 - block.start, :], rows, cols)
         e = inplace.exp(xp, s)
         del s
-        tile_total = row_sum(p, e)
-        if ops.dropout is not None:
-            e = ops.dropout.tile(xp, e, rows, cols, p.device, scaled=False)
-        tile_out = products.matmul(xp, e, ops.v[..., cols, :])
+        tile_total, tile_out = _tile_sums(p, ops, e, rows, cols)
         del e
         if acc is None and tile.rows is not None:  # rows no tile reaches keep zeros
             lead = tuple(tile_out.shape[:-2])
@@ -110,8 +115,9 @@ def _fixed_reference_tiles(
             a, b = r0 - block.start, r1 - block.start
             total = inplace.add_rows(xp, total, a, b, tile_total)
             acc = inplace.add_rows(xp, acc, a, b, tile_out)
-    if ops.terms.sink is not None:
-        total = total + xp.exp(ops.terms.sink)
+    sink = ops.terms.sink_total(xp, 0.0)
+    if sink is not None:
+        total = total + sink
     ref = xp.zeros(tuple(total.shape), dtype=p.compute_dtype, device=p.device)
     return ref, total, acc
 

@@ -187,7 +187,7 @@ def _probabilities(
         return inplace.exp(xp, inplace.subtract(s, lse_rows)), None
     if fixed:
         prob = inplace.exp(xp, s)
-        sink = None if terms.sink is None else xp.exp(terms.sink)
+        sink = terms.sink_total(xp, 0.0)
     else:
         ref = exp_shift(p, terms.row_max(xp, xp.max(s, axis=-1, keepdims=True)))
         prob = inplace.exp(xp, inplace.subtract(s, ref))

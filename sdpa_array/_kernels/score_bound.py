@@ -66,9 +66,11 @@ def fixed_reference(p: Problem, ops: Operands) -> bool:
     xp = p.xp
     limit = exponent_limit(p)
     scale = 1.0 if terms.scale_in_query else known_value(terms.scale)
+    if scale is None:
+        return False
     q_norm = _largest_norm(p, ops.q)
-    k_norm = _largest_norm(p, ops.k)
-    if scale is None or q_norm is None or k_norm is None:
+    k_norm = None if q_norm is None else _largest_norm(p, ops.k)
+    if q_norm is None or k_norm is None:
         return False
     bound = abs(scale) * q_norm * k_norm
     if terms.softcap is not None:

@@ -221,9 +221,11 @@ def _cut(a: int, b: int, rows: slice) -> tuple[int, int] | None:
 
 
 def _full_rows_from(r: Restrictions, a: int, b: int, cols: slice) -> int:
-    """The first row ``m`` of ``[a, b)`` from which every row attends every key of ``cols``
-    (``b`` when none does), by bisection: the rows that do are a final run of the block
-    under restrictions whose key ranges grow with the row (bands; others never cut)."""
+    """A row ``m`` of ``[a, b)`` from which every row attends every key of ``cols`` (``b``
+    when the last row does not), by bisection over the final runs of rows ``[m, b)``. Under
+    a causal band the full rows are such a run and ``m`` is the first of them; under a left
+    window they may end before ``b``, and then none is split off. The bisection only keeps
+    runs it classified as full, so a split is never wrong, at worst smaller."""
     if r.classify(slice(b - 1, b), cols) is not TileKind.FULL:
         return b
     lo, hi = a, b - 1  # rows [hi, b) attend every key; find the smallest such hi
