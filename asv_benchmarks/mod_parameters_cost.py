@@ -1,9 +1,12 @@
-"""What the gradients of a bias function's table cost in the backward pass (issue 27).
+"""What the gradients of a bias or score function's parameters cost in the backward pass
+(issue 27).
 
-:func:`~sdpa_array.scaled_dot_product_attention_vjp` with ``bias_mod=mods.alibi(slopes)``
-or ``mods.relative_position_bias(table, num_buckets=32, max_distance=128)``, with and
-without ``return_mod_gradients=True``: the difference is the tiles' parameter cotangents
-(ALiBi: one product and a sum per head; T5: the buckets' one-hot product). NumPy, float32,
+:func:`~sdpa_array.scaled_dot_product_attention_vjp` with ``bias_mod=mods.alibi(slopes)``,
+``mods.relative_position_bias(table, num_buckets=32, max_distance=128)`` or
+``score_mod=mods.temperature(values)``, with and without ``return_mod_gradients=True``: the
+difference is the tiles' parameter cotangents (ALiBi: one product and a sum per head; T5:
+the buckets' one-hot product; temperature: a copy of the scaled scores, one product and a
+sum per head). NumPy, float32,
 the blocked implementation, ``(B, H, L, E) = (1, 8, L, 64)`` (``--length``, default 2048),
 causal. Rounds interleave the cases (:func:`sdpa_array.lab.cli.bench.interleaved_times`);
 each row gives the median, its min-max and the ratio to the call without the gradients::
@@ -30,14 +33,17 @@ def _groups(length: int) -> dict[str, dict[str, Callable[[], Any]]]:
     shape = (1, 8, length, 64)
     q, k, v, g = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
     tables = {
-        "alibi": mods.alibi(mods.alibi_slopes(8).astype(np.float32)),
-        "t5": mods.relative_position_bias(
-            rng.standard_normal((8, 32), dtype=np.float32), num_buckets=32, max_distance=128
-        ),
+        "alibi": {"bias_mod": mods.alibi(mods.alibi_slopes(8).astype(np.float32))},
+        "t5": {
+            "bias_mod": mods.relative_position_bias(
+                rng.standard_normal((8, 32), dtype=np.float32), num_buckets=32, max_distance=128
+            )
+        },
+        "temperature": {"score_mod": mods.temperature(np.linspace(0.5, 2.0, 8, dtype=np.float32))},
     }
     groups: dict[str, dict[str, Callable[[], Any]]] = {}
-    for name, mod in tables.items():
-        run = {"bias_mod": mod, "is_causal": True, "implementation": "blocked"}
+    for name, trained in tables.items():
+        run = {**trained, "is_causal": True, "implementation": "blocked"}
 
         def vjp(with_gradients: bool, run: dict[str, Any] = run) -> Callable[[], Any]:
             def call() -> Any:

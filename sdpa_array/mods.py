@@ -29,14 +29,16 @@ library: it is used as it is where the libraries match (JAX tracers under ``jax.
 Dask arrays), copied to the host where the indices are NumPy arrays (a ``TypeError`` says
 so where the data cannot be read there), and moved into the indices' library otherwise.
 
-A bias function may hold trained parameters: :func:`alibi`'s slopes and
-:func:`relative_position_bias`'s table declare them (``parameters``, and
-``parameter_cotangents(cotangent, batch, head, q_idx, kv_idx)``, the sums of
-``cotangent * d bias / d parameter`` over the grid), so that they get their gradients
-through torch autograd and ``jax.grad`` on every path, and from
+A bias or score function may hold trained parameters: :func:`alibi`'s slopes,
+:func:`relative_position_bias`'s table and :func:`temperature`'s temperatures declare them
+(``parameters``, and ``parameter_cotangents``, the sums of ``cotangent * d value / d
+parameter`` over the grid: ``(cotangent, batch, head, q_idx, kv_idx)`` for a bias function,
+``(cotangent, score, batch, head, q_idx, kv_idx)`` for a score function), so that they get
+their gradients through torch autograd and ``jax.grad`` on every path, and from
 :func:`sdpa_array.scaled_dot_product_attention_vjp` with ``return_mod_gradients=True``;
 ``with_parameters(*arrays)`` gives the same function with other parameters (traced ones,
-under JAX).
+under JAX). The oracle needs a score function's ``parameter_derivatives(score, batch, head,
+q_idx, kv_idx)`` too: ``d value / d parameter`` on the grid, one array per parameter.
 
 Examples
 --------

@@ -1,19 +1,21 @@
-"""Trainable tables of bias functions: ALiBi's slopes and T5's relative position table.
+"""Trainable data of bias and score functions: ALiBi's slopes, T5's relative position
+table, a temperature per head, and a temperature beside ALiBi's slopes.
 
 * ``scaled_dot_product_attention_vjp(return_mod_gradients=True)`` on every backend, dtype
   and generic path (materialized, blocked with small tiles) against the oracle, with
   causal attention, GQA, a window, softcap and lengths, within the derived bounds
   (:func:`sdpa_array.testing.vjp_bounds.vjp_oracle_and_bounds`);
-* the oracle's derivation (the Jacobian formed column by column) against central
-  differences of its own forward;
+* the oracle's derivation (a bias function's Jacobian formed column by column, a score
+  function's from its ``parameter_derivatives``) against central differences of its own
+  forward;
 * torch autograd and ``jax.grad`` (eager and under ``jax.jit``) give a trainable table its
   gradient on every path: through the autograd wrappers of the blocked kernel (which take
   the table as an input) and through the library's autodiff of the materialized one; a
   table captured by a function of the caller's (no declared parameters) gets its gradient
   through the materialized path (it silently got none before);
 * the sums by head and bucket in blocks of rows equal the sums in one block;
-* bad input: no ``bias_mod``, one without parameters, parameters of another library, a
-  flag that is not a bool.
+* bad input: no trainable function, a bias or score function without parameters,
+  parameters of another library, a flag that is not a bool.
 """
 
 from __future__ import annotations
@@ -45,13 +47,39 @@ def _arrays(seed: int = 0, heads_kv: int = H) -> tuple[np.ndarray, ...]:
 def _mod(kind: str, parameter: object) -> object:
     if kind == "alibi":
         return mods.alibi(parameter)
+    if kind == "temperature":
+        return mods.temperature(parameter)
     return mods.relative_position_bias(parameter, num_buckets=BUCKETS, max_distance=MAX_DISTANCE)
 
 
 def _parameter(kind: str) -> np.ndarray:
     if kind == "alibi":
         return mods.alibi_slopes(H) * 8.0  # slopes that matter over a few positions
+    if kind == "temperature":
+        return np.array([0.5, 0.8, 1.25, 2.0])
     return np.random.default_rng(9).standard_normal((H, BUCKETS))
+
+
+#: Each case's trainable functions, by keyword: a bias function's table, a score function's
+#: temperatures, and both together (score_mod's gradients come first).
+KINDS = {
+    "alibi": {"bias_mod": "alibi"},
+    "t5": {"bias_mod": "t5"},
+    "temperature": {"score_mod": "temperature"},
+    "temperature+alibi": {"score_mod": "temperature", "bias_mod": "alibi"},
+}
+
+
+def _parameters(kind: str) -> list[np.ndarray]:
+    """The case's parameters, in the order of their gradients."""
+    return [_parameter(KINDS[kind][n]) for n in ("score_mod", "bias_mod") if n in KINDS[kind]]
+
+
+def _options(kind: str, *parameters: object) -> dict[str, object]:
+    """The keywords holding the case's functions with ``parameters`` (as
+    :func:`_parameters` orders them)."""
+    names = [n for n in ("score_mod", "bias_mod") if n in KINDS[kind]]
+    return {n: _mod(KINDS[kind][n], a) for n, a in zip(names, parameters, strict=True)}
 
 
 #: (id, options): the options the tables combine with.
@@ -61,12 +89,11 @@ CASES = [
     ("window-softcap", {"window": (3, 2), "softcap": 2.0}),
     ("lengths", {"query_lengths": np.array([9, 4]), "key_lengths": np.array([11, 5])}),
 ]
-KINDS = ["alibi", "t5"]
 PATHS = {"materialized": {}, "blocked": {"block_q": 4, "block_k": 4}}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize(("case", "options"), CASES, ids=[c[0] for c in CASES])
 def test_vjp_returns_the_table_gradient(backend_dtype, path, kind, case, options):
     backend, dtype = backend_dtype
@@ -75,83 +102,88 @@ def test_vjp_returns_the_table_gradient(backend_dtype, path, kind, case, options
     # a table in float32 beside 16-bit inputs (NumPy, which the oracle reads it with,
     # has no bfloat16)
     table_dtype = "float64" if dtype == "float64" else "float32"
-    mod = _mod(kind, backend.asarray(_parameter(kind), table_dtype))
-    kw = {**options, "bias_mod": mod, "return_mod_gradients": True}
+    params = [backend.asarray(a, table_dtype) for a in _parameters(kind)]
+    kw = {**options, **_options(kind, *params), "return_mod_gradients": True}
     grads = sdpa_array.scaled_dot_product_attention_vjp(
         q, k, v, g, implementation=path, **PATHS[path], **kw
     )
-    assert len(grads) == 4
+    assert len(grads) == 3 + len(params)
     assert_vjp_close_to_oracle(grads, q, k, v, g, **kw)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", sorted(KINDS))
 def test_oracle_matches_central_differences(kind):
-    """The oracle's parameter gradient (its Jacobian formed exactly) against central
-    differences of the oracle's forward."""
+    """The oracle's parameter gradients (a bias function's Jacobian formed exactly, a
+    score function's from its own derivatives) against central differences of the
+    oracle's forward."""
     q, k, v, g = _arrays(seed=3)
-    param = _parameter(kind)
+    params = _parameters(kind)
     options = {"is_causal": True, "softcap": 3.0}
-    *_, d_param = reference.scaled_dot_product_attention_vjp(
-        q, k, v, g, bias_mod=_mod(kind, param), return_mod_gradients=True, **options
+    grads = reference.scaled_dot_product_attention_vjp(
+        q, k, v, g, **_options(kind, *params), return_mod_gradients=True, **options
     )
+    assert len(grads) == 3 + len(params)
 
-    def loss(p: np.ndarray) -> float:
-        out = reference.scaled_dot_product_attention(q, k, v, bias_mod=_mod(kind, p), **options)
+    def loss(ps: list[np.ndarray]) -> float:
+        out = reference.scaled_dot_product_attention(q, k, v, **_options(kind, *ps), **options)
         return float(np.sum(out * g))
 
-    h, numeric = 1e-6, np.zeros_like(param)
-    for index in np.ndindex(param.shape):
-        plus, minus = param.copy(), param.copy()
-        plus[index] += h
-        minus[index] -= h
-        numeric[index] = (loss(plus) - loss(minus)) / (2 * h)
-    # central differences of a smooth function: error O(h²) plus rounding ~1e-15 / h
-    np.testing.assert_allclose(d_param, numeric, rtol=0, atol=1e-7)
-    assert np.abs(d_param).max() > 1e-2  # the tables matter here
+    h = 1e-6
+    for i, (param, d_param) in enumerate(zip(params, grads[3:], strict=True)):
+        numeric = np.zeros_like(param)
+        for index in np.ndindex(param.shape):
+            plus, minus = [p.copy() for p in params], [p.copy() for p in params]
+            plus[i][index] += h
+            minus[i][index] -= h
+            numeric[index] = (loss(plus) - loss(minus)) / (2 * h)
+        # central differences of a smooth function: error O(h²) plus rounding ~1e-15 / h
+        np.testing.assert_allclose(d_param, numeric, rtol=0, atol=1e-7)
+        assert np.abs(d_param).max() > 1e-2  # the tables matter here
 
 
 @pytest.mark.parametrize("implementation", ["auto", "materialized", "blocked"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", sorted(KINDS))
 def test_torch_autograd_gives_the_table_its_gradient(torch_backend, kind, implementation):
     import torch
 
     q, k, v, g = (torch_backend.asarray(a, "float64") for a in _arrays(seed=1))
     for inputs_need_grad in (True, False):
         leaves = [x.detach().requires_grad_(inputs_need_grad) for x in (q, k, v)]
-        table = torch_backend.asarray(_parameter(kind), "float64").requires_grad_(True)
-        mod = _mod(kind, table)
-        out = sdpa_array.scaled_dot_product_attention(
-            *leaves, bias_mod=mod, is_causal=True, implementation=implementation
-        )
+        params = [
+            torch_backend.asarray(a, "float64").requires_grad_(True) for a in _parameters(kind)
+        ]
+        kw = {**_options(kind, *params), "is_causal": True}
+        out = sdpa_array.scaled_dot_product_attention(*leaves, implementation=implementation, **kw)
         (out * g).sum().backward()
         if inputs_need_grad:
-            grads = (*(x.grad for x in leaves), table.grad)
-            options = {"bias_mod": mod, "is_causal": True, "return_mod_gradients": True}
-            assert_vjp_close_to_oracle(grads, q, k, v, g, **options)
+            grads = (*(x.grad for x in leaves), *(a.grad for a in params))
+            assert_vjp_close_to_oracle(grads, q, k, v, g, **kw, return_mod_gradients=True)
         else:
             expected = sdpa_array.scaled_dot_product_attention_vjp(
-                q, k, v, g, bias_mod=mod, is_causal=True, return_mod_gradients=True
-            )[-1]
-            torch.testing.assert_close(table.grad, expected, rtol=0, atol=1e-12)
+                q, k, v, g, **kw, return_mod_gradients=True
+            )[3:]
+            for a, e in zip(params, expected, strict=True):
+                torch.testing.assert_close(a.grad, e, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("implementation", ["auto", "materialized", "blocked"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", sorted(KINDS))
 def test_jax_grad_gives_the_table_its_gradient(jax_backend, kind, implementation):
     import jax
 
     q, k, v, g = (jax_backend.asarray(a, "float64") for a in _arrays(seed=1))
-    table = jax_backend.asarray(_parameter(kind), "float64")
+    params = tuple(jax_backend.asarray(a, "float64") for a in _parameters(kind))
 
-    def loss(q, k, v, table):
+    def loss(q, k, v, params):
         out = sdpa_array.scaled_dot_product_attention(
-            q, k, v, bias_mod=_mod(kind, table), is_causal=True, implementation=implementation
+            q, k, v, **_options(kind, *params), is_causal=True, implementation=implementation
         )
         return (out * g).sum()
 
-    options = {"bias_mod": _mod(kind, table), "is_causal": True, "return_mod_gradients": True}
+    options = {**_options(kind, *params), "is_causal": True, "return_mod_gradients": True}
     for grad in (jax.grad(loss, argnums=(0, 1, 2, 3)), jax.jit(jax.grad(loss, (0, 1, 2, 3)))):
-        assert_vjp_close_to_oracle(grad(q, k, v, table), q, k, v, g, **options)
+        dq, dk, dv, dparams = grad(q, k, v, params)
+        assert_vjp_close_to_oracle((dq, dk, dv, *dparams), q, k, v, g, **options)
 
 
 class _HeadBias:
@@ -173,6 +205,76 @@ class _HeadBias:
     def parameter_cotangents(self, cotangent, b, h, i, j):
         xp = array_namespace({"c": cotangent})
         return (mod_parameters.sum_by_index(xp, cotangent, h, int(self.table.shape[0])),)
+
+
+class _HeadGain:
+    """A score function of the caller's with a trainable gain per head:
+    ``score * gain[head]``, with every member the protocol names."""
+
+    def __init__(self, gain):
+        self.gain = gain
+
+    @property
+    def parameters(self):
+        return (self.gain,)
+
+    def with_parameters(self, gain):
+        return type(self)(gain)
+
+    def _per_head(self, like, h):
+        xp = array_namespace({"s": like})
+        values = xp.take(xp.astype(self.gain, like.dtype), xp.reshape(h, (-1,)), axis=0)
+        return xp.reshape(values, tuple(h.shape))
+
+    def __call__(self, s, b, h, i, j):
+        return s * self._per_head(s, h)
+
+    def derivative(self, s, b, h, i, j):
+        return self._per_head(s, h) + 0.0 * s
+
+    def parameter_cotangents(self, cotangent, s, b, h, i, j):
+        xp = array_namespace({"c": cotangent})
+        return (mod_parameters.sum_by_index(xp, cotangent * s, h, int(self.gain.shape[0])),)
+
+    def parameter_derivatives(self, s, b, h, i, j):
+        units = np.reshape(np.arange(int(self.gain.shape[0])), (-1,) + (1,) * s.ndim)
+        return (np.where(units == h[None, ...], s[None, ...], 0.0),)
+
+
+class _Unchanged(_HeadGain):
+    """Returns the scores it is given, the same array: the kernels must keep the scores
+    for the parameter cotangents apart from it (later steps write into the result). Its
+    parameter does nothing: each cotangent is ``0 * score`` summed, NaN if a masked
+    ``-inf`` reached the kept scores."""
+
+    def __call__(self, s, b, h, i, j):
+        return s
+
+    def derivative(self, s, b, h, i, j):
+        return 1.0 + 0.0 * s
+
+    def parameter_cotangents(self, cotangent, s, b, h, i, j):
+        return super().parameter_cotangents(cotangent * 0.0, s, b, h, i, j)
+
+    def parameter_derivatives(self, s, b, h, i, j):
+        return (np.zeros((int(self.gain.shape[0]), *s.shape)),)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("function", [_HeadGain, _Unchanged])
+def test_a_score_function_of_the_callers_declares_its_parameters(backend, function, path):
+    """A score function of the caller's with ``parameters``, ``parameter_cotangents`` and
+    ``parameter_derivatives`` (for the oracle) gets its gradients from the VJP on every
+    backend and path, beside a trainable bias function, under causal masking."""
+    q, k, v, g = (backend.asarray(a, "float32") for a in _arrays(seed=11))
+    gain = backend.asarray(np.array([0.5, 1.5, 1.0, 2.0]), "float32")
+    slopes = backend.asarray(_parameter("alibi"), "float32")
+    kw = {"score_mod": function(gain), "bias_mod": mods.alibi(slopes), "is_causal": True}
+    grads = sdpa_array.scaled_dot_product_attention_vjp(
+        q, k, v, g, implementation=path, **PATHS[path], **kw, return_mod_gradients=True
+    )
+    assert len(grads) == 5
+    assert_vjp_close_to_oracle(grads, q, k, v, g, **kw, return_mod_gradients=True)
 
 
 def test_declared_parameters_without_with_parameters_under_saved_tensor_hooks(torch_backend):
@@ -262,11 +364,16 @@ def test_sums_in_blocks_of_rows_equal_one_block(monkeypatch):
 
 
 BAD_REQUESTS = [
-    ({}, TypeError, r"needs a bias_mod with trainable parameters .* got no bias_mod"),
+    ({}, TypeError, r"needs a score_mod or bias_mod with trainable .* got no score_mod or bias"),
     (
         {"bias_mod": lambda b, h, i, j: 0.0 * (i - j)},
         TypeError,
-        r"needs a bias_mod with trainable parameters",
+        r"needs a score_mod or bias_mod with trainable parameters .* got bias_mod",
+    ),
+    (
+        {"score_mod": mods.tanh_softcap(2.0)},
+        TypeError,
+        r"with trainable parameters .* got score_mod tanh_softcap\(2.0\)",
     ),
     ({"bias_mod": mods.alibi(np.ones(H)), "return_mod_gradients": 1}, TypeError, r"bool"),
 ]
@@ -280,14 +387,16 @@ def test_bad_requests_are_refused(options, error, match):
         sdpa_array.scaled_dot_product_attention_vjp(q, k, v, g, **options)
 
 
-def test_parameters_of_another_library_are_refused():
+@pytest.mark.parametrize("name", ["score_mod", "bias_mod"])
+def test_parameters_of_another_library_are_refused(name):
     torch = pytest.importorskip("torch")
     q, k, v, g = _arrays()
-    mod = mods.alibi(torch.ones(H, dtype=torch.float64))
-    match = r"parameter 0 must be a real floating array of the inputs' library \(numpy\)"
-    with pytest.raises(TypeError, match=match):
+    values = torch.ones(H, dtype=torch.float64)
+    mod = mods.temperature(values) if name == "score_mod" else mods.alibi(values)
+    match = rf"{name}'s parameter 0 must be a real floating array of the inputs' library"
+    with pytest.raises(TypeError, match=match + r" \(numpy\)"):
         sdpa_array.scaled_dot_product_attention_vjp(
-            q, k, v, g, bias_mod=mod, return_mod_gradients=True
+            q, k, v, g, **{name: mod}, return_mod_gradients=True
         )
 
 

@@ -328,31 +328,50 @@ def test_score_function_checks_callables():
 
 def test_traced_data_in_mods_under_jax_grad(jax_backend):
     """Mods closing over arrays traced under ``jax.jit`` (a temperature and ALiBi slopes
-    being trained): ``"auto"`` differentiates them through the materialized path, as
-    ``"materialized"`` does; ``"blocked"``, whose ``jax.custom_vjp`` cannot take them,
-    refuses with a ``TypeError`` that says what to do."""
+    being trained): the ready-made ones declare them as parameters, so every path
+    differentiates them (the blocked kernel's ``jax.custom_vjp`` takes them as inputs)
+    against the oracle. A function of the caller's closing over a tracer, with nothing
+    declared: ``"auto"`` differentiates it through the materialized path, and
+    ``"blocked"``, whose ``jax.custom_vjp`` cannot take it, refuses with a ``TypeError``
+    that says what to do."""
     import jax
     import jax.numpy as jnp
 
     q, k, v, g = (jax_backend.asarray(a, "float32") for a in _arrays(seed=8))
+    t, slopes = jnp.asarray([1.5, 1.25, 2.0]), jnp.asarray([0.5, 0.25, 1.0])
 
     def gradients(implementation, **blocks):
         @jax.jit
-        def loss(q, k, v, values):
+        def loss(q, k, v, t, slopes):
             out = sdpa_array.scaled_dot_product_attention(
                 q, k, v, implementation=implementation, **blocks,
-                score_mod=mods.temperature(values + 1.0), bias_mod=mods.alibi(values),
+                score_mod=mods.temperature(t), bias_mod=mods.alibi(slopes),
             )  # fmt: skip
             return jnp.sum(out * g)
 
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v, jnp.asarray([0.5, 0.25, 1.0]))
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, t, slopes)
 
-    # with block sizes "auto" would run the blocked kernel
-    auto, materialized = gradients("auto", block_q=2), gradients("materialized")
-    for a, b in zip(auto, materialized, strict=True):
+    options = {"score_mod": mods.temperature(t), "bias_mod": mods.alibi(slopes)}
+    # with block sizes "auto" runs the blocked kernel
+    for run in ({"implementation": "auto", "block_q": 2}, {"implementation": "blocked"}):
+        got = gradients(**run)
+        assert_vjp_close_to_oracle(got, q, k, v, g, **options, return_mod_gradients=True)
+
+    def own_gradients(implementation, **blocks):
+        def loss(q, k, v, w):
+            score_mod = mods.score_function(lambda s, b, h, i, j: s * w, lambda *_: w)
+            out = sdpa_array.scaled_dot_product_attention(
+                q, k, v, implementation=implementation, score_mod=score_mod, **blocks
+            )
+            return jnp.sum(out * g)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, jnp.asarray(0.75))
+
+    expected = own_gradients("materialized")
+    for a, b in zip(own_gradients("auto", block_q=2), expected, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(TypeError, match="closes over traced arrays"):
-        gradients("blocked", block_q=2)
+        own_gradients("blocked", block_q=2)
 
 
 def _oracle_temperature_gradient(q, k, v, g, t):
@@ -374,15 +393,20 @@ def _oracle_temperature_gradient(q, k, v, g, t):
 
 def test_captured_temperature_gets_its_gradient(autograd_backend):
     """A temperature the score function captures, trainable (a torch tensor that requires
-    grad, a JAX array differentiated with ``jax.grad``), gets its gradient from the
-    library's autodiff through the materialized path, which ``"auto"`` runs for such a call
-    (its blocked kernel's wrapper takes only the call's own arrays, and ``"blocked"``
-    refuses it), against the oracle's own derivation in float64."""
+    grad, a JAX array differentiated with ``jax.grad``), gets its gradient on every path:
+    the library's autodiff differentiates the materialized one, and the blocked kernel's
+    autograd wrapper takes the temperatures ``mods.temperature`` declares as inputs. Against
+    the oracle's own derivation in float64."""
     q, k, v, g = _arrays(seed=9)
     t = np.array([0.5, 2.0, 1.25])
     expected, bound = _oracle_temperature_gradient(q, k, v, g, t)
     arrays = [autograd_backend.asarray(a, "float64") for a in (q, k, v, g)]
-    for run in ({"implementation": "materialized"}, {"implementation": "auto", "block_q": 2}):
+    runs = (
+        {"implementation": "materialized"},
+        {"implementation": "auto", "block_q": 2},
+        {"implementation": "blocked", "block_q": 2},
+    )
+    for run in runs:
         if autograd_backend.library == "torch":
             import torch
 
@@ -406,9 +430,12 @@ def test_captured_temperature_gets_its_gradient(autograd_backend):
             got = np.asarray(jax.grad(loss)(jnp.asarray(t)))
         assert np.all(np.abs(got - expected) <= bound), (run, got, expected, bound)
     if autograd_backend.library == "torch":
+        # a function of the caller's closing over the tensor declares nothing: the blocked
+        # kernel's wrapper could not pass it a gradient, so "blocked" refuses it
         xs = [x.clone().requires_grad_(True) for x in arrays[:3]]
-        values = torch.tensor(t, requires_grad=True)
+        w = torch.tensor(0.75, dtype=torch.float64, requires_grad=True)
+        own = mods.score_function(lambda s, b, h, i, j: s * w, lambda *_: w)
         with pytest.raises(TypeError, match="require grad"):
             sdpa_array.scaled_dot_product_attention(
-                *xs, score_mod=mods.temperature(values), implementation="blocked", block_q=2
+                *xs, score_mod=own, implementation="blocked", block_q=2
             )

@@ -260,7 +260,9 @@ def scaled_dot_product_attention(
         its ``derivative`` method when it has one (:func:`sdpa_array.mods.score_function`,
         and the ready-made :func:`sdpa_array.mods.tanh_softcap` and
         :func:`sdpa_array.mods.temperature`), else torch's or JAX's autodiff; on other
-        libraries a gradient without one is a ``TypeError``.
+        libraries a gradient without one is a ``TypeError``. The trainable arrays it declares
+        (the temperatures of :func:`sdpa_array.mods.temperature`) get their gradients as
+        ``bias_mod``'s do.
     return_weights : bool, default False
         Also return the attention weights ``(..., Hq, L, S)`` (after dropout).
     return_lse : bool, default False

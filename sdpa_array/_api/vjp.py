@@ -122,15 +122,17 @@ def scaled_dot_product_attention_vjp(
     dropout_p, dropout_seed
         As for the forward: the same seed regenerates the same keep mask.
     mask_mod, bias_mod
-        As for :func:`scaled_dot_product_attention`; they have no gradient.
+        As for :func:`scaled_dot_product_attention`; ``bias_mod``'s parameters get
+        gradients with ``return_mod_gradients``.
     score_mod
         As for :func:`scaled_dot_product_attention`: the gradients pass through its
         derivative (its ``derivative`` method, or torch's or JAX's autodiff).
     return_mod_gradients : bool, default False
-        Also return the gradients of ``bias_mod``'s trainable parameters (ALiBi's slopes
-        of :func:`sdpa_array.mods.alibi`, the table of
-        :func:`sdpa_array.mods.relative_position_bias`, or a function of yours with
-        ``parameters`` and ``parameter_cotangents``: see :mod:`sdpa_array.mods`), last.
+        Also return the gradients of the trainable parameters of ``score_mod`` (the
+        temperatures of :func:`sdpa_array.mods.temperature`) and of ``bias_mod`` (ALiBi's
+        slopes of :func:`sdpa_array.mods.alibi`, the table of
+        :func:`sdpa_array.mods.relative_position_bias`), or of a function of yours with
+        ``parameters`` and ``parameter_cotangents`` (see :mod:`sdpa_array.mods`), last.
     implementation : {"auto", "materialized", "blocked", "native", "triton", "dask"}
         Default ``"auto"``. ``"materialized"`` forms the full score matrix once;
         ``"blocked"`` works tile by tile in ``O(block_q * block_k)`` memory per batch
@@ -164,8 +166,8 @@ def scaled_dot_product_attention_vjp(
     grad_scale : array
         Only if ``scale`` is an array: 0-d, with the dtype of ``scale``.
     grad_mod_parameters : array
-        Only with ``return_mod_gradients=True``, last: one gradient for each of
-        ``bias_mod``'s ``parameters`` (ALiBi's slopes, T5's table), of its shape and dtype.
+        Only with ``return_mod_gradients=True``, last: one gradient for each of the
+        ``parameters`` of ``score_mod``, then of ``bias_mod``, of its shape and dtype.
 
     Raises
     ------
@@ -173,8 +175,8 @@ def scaled_dot_product_attention_vjp(
         As for the forward; also a ``grad_output`` that is not an array of the same
         library, or whose dtype is not the output's, a ``score_mod`` without a
         ``derivative`` method on a library without autodiff, and
-        ``return_mod_gradients=True`` without a ``bias_mod`` whose parameters are floating
-        arrays of the inputs' library.
+        ``return_mod_gradients=True`` without a ``score_mod`` or ``bias_mod`` with
+        parameters, or with parameters that are not floating arrays of the inputs' library.
     ValueError
         As for the forward; also a ``grad_output`` whose shape is not the output's, an
         unknown ``implementation``, or block sizes for the materialized implementation.
@@ -251,7 +253,7 @@ def scaled_dot_product_attention_vjp(
     check_grad_output(p, query, grad_output)
     check_flag("return_mod_gradients", return_mod_gradients)
     if return_mod_gradients:
-        check_mod_gradients(p.xp, bias_mod)
+        check_mod_gradients(p.xp, score_mod, bias_mod)
         p = dataclasses.replace(p, mod_gradients=True)
     if p.L and p.S and eager_jax([query, key, value, grad_output]):  # compiled whole
         calls = {

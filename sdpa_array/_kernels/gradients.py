@@ -39,8 +39,8 @@ from .._arrays.slicing import at_batch
 from .._arrays.typing import Array
 from .._problem.problem import Inputs, Problem
 from .layout import merge_groups
-from .operands import Operands, prepare, prepare_rows, tile_scores
-from .score_terms import ScoreTerms
+from .operands import Operands, backward_tile_scores, prepare, prepare_rows
+from .score_terms import ModInput, ScoreTerms
 from .softmax import exp_shift, row_sum, safe_reciprocal
 
 __all__ = [
@@ -250,9 +250,9 @@ def tile_gradients(
     xp = p.xp
     k = ops.k[..., cols, :]
     v = ops.v[..., cols, :]
-    trainable = ops.terms.bias_mod is not None and ops.terms.bias_mod.trainable
-    keep_dz = need_dz or trainable
-    s, factor = tile_scores(p, ops, r.q, rows, cols, need_factor=True)
+    bias_trained = ops.terms.bias_mod is not None and ops.terms.bias_mod.trainable
+    keep_dz = need_dz or bias_trained
+    s, factor, mod_input = backward_tile_scores(p, ops, r.q, rows, cols)
     prob, p_sink = _probabilities(p, ops.terms, s, r.lse, fixed=fixed)
     del s
     d_prob = xp.matmul(r.d_out, xp.matrix_transpose(v))
@@ -271,12 +271,10 @@ def tile_gradients(
     dz = inplace.multiply(inplace.subtract(d_prob, delta), prob)  # P * (dP - D)
     dv = products.matmul(xp, xp.matrix_transpose(merge_groups(p, kept)), merge_groups(p, r.d_out))
     del prob, kept
-    dtables = None
-    if trainable:  # dZ is the bias's cotangent
-        dtables = ops.terms.bias_mod.cotangents(dz, rows, cols)  # type: ignore[union-attr]
+    dtables = _table_cotangents(ops, dz, mod_input, bias_trained, rows, cols)
     if factor is None:
         ds = dz
-    elif keep_dz:
+    elif keep_dz or mod_input is not None:
         ds = dz * factor
     else:
         ds = dz = inplace.multiply(dz, factor)
@@ -285,3 +283,24 @@ def tile_gradients(
         dq = inplace.multiply(dq, ops.terms.scale)
     dk = products.matmul(xp, xp.matrix_transpose(merge_groups(p, ds)), merge_groups(p, r.q))
     return TileGrads(dq=dq, dk=dk, dv=dv, dz=dz if need_dz else None, dsink=dsink, dtables=dtables)
+
+
+def _table_cotangents(
+    ops: Operands,
+    dz: Array,
+    mod_input: ModInput | None,
+    bias_trained: bool,
+    rows: slice,
+    cols: slice,
+) -> tuple[Array, ...] | None:
+    """The tile's parts of the trainable functions' parameter gradients (``score_mod``'s,
+    then ``bias_mod``'s), from the score gradient ``dZ``: the bias is added to the scores,
+    so ``dZ`` is its cotangent; the score function's values go through the soft-cap, so
+    theirs is ``dZ`` times its derivative. ``None`` without a trainable function."""
+    parts: list[Array] = []
+    if mod_input is not None:
+        d_mod = dz if mod_input.after is None else dz * mod_input.after
+        parts += ops.terms.score_mod.cotangents(d_mod, mod_input.scores, rows, cols)  # type: ignore[union-attr]
+    if bias_trained:
+        parts += ops.terms.bias_mod.cotangents(dz, rows, cols)  # type: ignore[union-attr]
+    return tuple(parts) if parts else None

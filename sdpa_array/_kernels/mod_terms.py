@@ -36,7 +36,7 @@ from .._arrays.slicing import at_batch
 from .._arrays.typing import Array
 from .._problem.block_mask import EMPTY, FULL, HOST_BLOCK, BlockMask, classify_in, classify_on_host
 from .._problem.mod_calls import call_mod, index_grid
-from .._problem.mod_parameters import diagonal_sums, sum_where_constant
+from .._problem.mod_parameters import diagonal_sums, has_parameters, sum_where_constant
 from .._problem.mods_data import NamedMod
 from .._problem.problem import Problem
 from .restrictions import TileKind
@@ -349,13 +349,15 @@ def mod_bias(p: Problem) -> ModBias | None:
         return None
     in_dtype = getattr(mod, "in_dtype", None)
     computed = mod if in_dtype is None else in_dtype(p.compute_dtype)
-    return ModBias(computed, _indices(p), trainable=p.mod_gradients)
+    trainable = p.mod_gradients and has_parameters(mod)
+    return ModBias(computed, _indices(p), trainable=trainable)
 
 
 @dataclass(frozen=True)
 class ModScore:
     """``score_mod`` as a score term: applied to a tile's scaled scores, with its
-    derivative for the backward pass.
+    derivative for the backward pass; with ``trainable``, the backward kernels also take
+    its parameters' cotangents (:meth:`cotangents`).
 
     ``derivative`` is the function's own ``derivative`` method where it has one; without
     it the derivative comes from the library's autodiff
@@ -365,6 +367,7 @@ class ModScore:
     mod: Callable[..., Any]
     derivative: Callable[..., Any] | None
     indices: ModIndices
+    trainable: bool = False
 
     def _checked(
         self,
@@ -398,6 +401,12 @@ class ModScore:
             raise TypeError("score_mod has no derivative")
         return found
 
+    def cotangents(self, d_mod: Array, s: Array, rows: slice, cols: slice) -> tuple[Array, ...]:
+        """The tile's part of each parameter's gradient, from the gradient ``d_mod`` of the
+        function's values on the tile and the scaled scores ``s`` it was applied to."""
+        indices, _ = self.indices.grid(rows, cols)
+        return tuple(self.mod.parameter_cotangents(d_mod, s, *indices))  # type: ignore[attr-defined]
+
     def at(self, index: tuple[int, ...]) -> ModScore:
         return replace(self, indices=self.indices.at(index))
 
@@ -407,7 +416,8 @@ def mod_score(p: Problem) -> ModScore | None:
     mod = p.score_mod
     if mod is None:
         return None
-    return ModScore(mod, getattr(mod, "derivative", None), _indices(p))
+    trainable = p.mod_gradients and has_parameters(mod)
+    return ModScore(mod, getattr(mod, "derivative", None), _indices(p), trainable=trainable)
 
 
 def score_mod_derivable(p: Problem) -> None:

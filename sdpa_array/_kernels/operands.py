@@ -36,11 +36,12 @@ from .layout import (
 )
 from .mod_terms import mod_bias, mod_mask, mod_score
 from .restrictions import DenseMask, Restrictions
-from .score_terms import ScoreTerms
+from .score_terms import ModInput, ScoreTerms
 from .sequences import sequence_members
 
 __all__ = [
     "Operands",
+    "backward_tile_scores",
     "kernel_scale",
     "prepare",
     "prepare_rows",
@@ -175,8 +176,18 @@ def tile_scores(
     Returns the scores and, with ``need_factor``, the factor that takes their gradient back
     to ``q kᵀ`` (see :meth:`ScoreTerms.apply`).
     """
-    s, factor, _ = _tile(p, ops, q_rows, rows, cols, need_factor=need_factor, maxima=False)
+    s, factor, _, _ = _tile(p, ops, q_rows, rows, cols, need_factor=need_factor, maxima=False)
     return s, factor
+
+
+def backward_tile_scores(
+    p: Problem, ops: Operands, q_rows: Array, rows: slice, cols: slice
+) -> tuple[Array, Any, ModInput | None]:
+    """Final scores of the tile and their factor (:func:`tile_scores` with
+    ``need_factor``), and what a trainable score function's parameter cotangents need
+    (:class:`~.score_terms.ModInput`; ``None`` without one)."""
+    s, factor, _, kept = _tile(p, ops, q_rows, rows, cols, need_factor=True, maxima=False)
+    return s, factor, kept
 
 
 def tile_scores_and_maxima(
@@ -191,7 +202,7 @@ def tile_scores_and_maxima(
     are the scaled products, and both maxima are one reduction; otherwise the scaled
     products are kept beside the scores and masked alike.
     """
-    s, _, best = _tile(p, ops, q_rows, rows, cols, need_factor=False, maxima=maxima)
+    s, _, best, _ = _tile(p, ops, q_rows, rows, cols, need_factor=False, maxima=maxima)
     if best is not None and not ops.terms.changes_scores:
         return s, best, best
     return s, p.xp.max(s, axis=-1, keepdims=True), best
@@ -206,11 +217,11 @@ def _tile(
     *,
     need_factor: bool,
     maxima: bool,
-) -> tuple[Array, Any, Array]:
+) -> tuple[Array, Any, Array, ModInput | None]:
     xp = p.xp
     raw = xp.matmul(q_rows, xp.matrix_transpose(ops.k[..., cols, :]))
     scaled = ops.terms.scaled(raw) if maxima and ops.terms.changes_scores else None
-    s, factor = ops.terms.apply(xp, raw, rows, cols, need_factor=need_factor)
+    s, factor, kept = ops.terms.apply(xp, raw, rows, cols, need_factor=need_factor)
     # columns that every query of the tile may attend keep their scores without a mask
     masked = ops.restrictions.partial_columns(rows, cols)
     allowed = None
@@ -225,4 +236,4 @@ def _tile(
     row_maxima = None
     if maxima:
         row_maxima = xp.max(s if scaled is None else scaled, axis=-1, keepdims=True)
-    return s, factor, row_maxima
+    return s, factor, row_maxima, kept

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from .._arrays.compat import device
 from .._arrays.typing import Array
+from .._problem.mod_parameters import declared_parameters
 from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .layout import broadcast_if_needed, sum_to_shape, ungroup
@@ -58,8 +59,9 @@ class RawGrads:
     with the query heads of each group already summed; ``dbias`` is the score gradient,
     reduced at least to something that broadcasts to the grouped scores (``None`` without
     a bias). ``dsinks`` is the sinks' gradient ``(..., 1, 1)`` in the grouped layout
-    (``None`` without sinks). ``dtables`` holds the gradients of ``bias_mod``'s parameters,
-    each of its parameter's shape, when they are asked for (``Problem.mod_gradients``).
+    (``None`` without sinks). ``dtables`` holds the gradients of the parameters of
+    ``score_mod`` and ``bias_mod`` (in that order), each of its parameter's shape, when they
+    are asked for (``Problem.mod_gradients``).
     Leading axes may still be those of the broadcast batch.
     """
 
@@ -127,13 +129,14 @@ def finalize(p: Problem, result: AttentionResult, outputs: Outputs) -> Array | t
 
 
 def _mod_parameters(p: Problem) -> tuple[Array, ...]:
-    """The parameters of ``bias_mod`` whose gradients are asked for (none otherwise)."""
-    return tuple(p.bias_mod.parameters) if p.mod_gradients else ()
+    """The parameters of ``score_mod`` and ``bias_mod`` whose gradients are asked for
+    (none otherwise)."""
+    return declared_parameters(p.score_mod, p.bias_mod) if p.mod_gradients else ()
 
 
 def zero_gradients(p: Problem, x: Inputs) -> tuple[Array, ...]:
     """Gradients when nothing reaches the output (``L == 0`` or ``S == 0``): zeros (those
-    of ``bias_mod``'s parameters too, when asked for)."""
+    of the mods' parameters too, when asked for)."""
     arrays = (*x.differentiable, *_mod_parameters(p))
     return tuple(p.xp.zeros(a.shape, dtype=a.dtype, device=p.device) for a in arrays)
 
@@ -143,7 +146,7 @@ def finish_gradients(p: Problem, x: Inputs, raw: RawGrads) -> tuple[Array, ...]:
 
     Returns ``(grad_query, grad_key, grad_value)``, then ``grad_bias`` when there is a bias,
     ``grad_sinks`` when there are sinks, ``grad_scale`` when ``scale`` is an array and the
-    gradients of ``bias_mod``'s parameters when they are asked for.
+    gradients of the parameters of ``score_mod`` and ``bias_mod`` when they are asked for.
     ``grad_scale`` comes from ``dQ``: every score is ``scale · q·k``, so
     ``dL/dscale = Σ dS ⊙ (Q Kᵀ) = Σ Q ⊙ dQ / scale``.
     """

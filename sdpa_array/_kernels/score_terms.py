@@ -24,7 +24,26 @@ from .._arrays.slicing import at_batch, tile_of
 from .._arrays.typing import Array
 from .mod_terms import ModBias, ModScore
 
-__all__ = ["ScoreTerms"]
+__all__ = ["ModInput", "ScoreTerms"]
+
+
+@dataclass(frozen=True)
+class ModInput:
+    """What the parameter cotangents of a trainable score function need from a tile
+    (:meth:`~.mod_terms.ModScore.cotangents`).
+
+    Attributes
+    ----------
+    scores : array
+        The scaled scores the function was applied to (an array of their own, which later
+        steps do not overwrite).
+    after : array or None
+        The derivative of the final scores with respect to the function's values: the
+        soft-cap's ``1 - tanh²``, ``None`` without a soft-cap (the bias terms add).
+    """
+
+    scores: Array
+    after: Array | None
 
 
 @dataclass(frozen=True)
@@ -113,8 +132,9 @@ class ScoreTerms:
 
     def apply(
         self, xp: ModuleType, raw: Array, rows: slice, cols: slice, *, need_factor: bool = False
-    ) -> tuple[Array, Array | None]:
-        """Scores of a tile from its raw product, and their derivative factor.
+    ) -> tuple[Array, Array | None, ModInput | None]:
+        """Scores of a tile from its raw product, their derivative factor, and what a
+        trainable score function's parameter cotangents need.
 
         Parameters
         ----------
@@ -126,12 +146,16 @@ class ScoreTerms:
         need_factor : bool
             Also return ``d scores / d(q kᵀ)`` where ``q`` does not carry the scale:
             ``scale``, times the score function's derivative and the soft-cap's
-            ``1 - tanh²`` where they are given; ``None`` when :attr:`scale_in_query`.
+            ``1 - tanh²`` where they are given; ``None`` when :attr:`scale_in_query`. With
+            a trainable score function (``score_mod.trainable``) the :class:`ModInput` is
+            returned too (else ``None``).
         """
-        s, factor = raw, None
+        s, factor, kept = raw, None, None
         if self.score_mod is not None:
             x = inplace.multiply(raw, self.scale)
             if need_factor:
+                if self.score_mod.trainable:  # the function's result may be x itself
+                    kept = ModInput(xp.astype(x, x.dtype, copy=True), None)
                 s, slope = self.score_mod.tile_and_slope(x, rows, cols)
                 factor = slope * self.scale
             else:
@@ -139,7 +163,9 @@ class ScoreTerms:
             if self.softcap is not None:
                 t = xp.tanh(s / self.softcap)
                 if need_factor:
-                    factor = factor * (1.0 - t * t)
+                    after = 1.0 - t * t
+                    factor = factor * after
+                    kept = None if kept is None else ModInput(kept.scores, after)
                 s = t * self.softcap
         elif self.softcap is not None:
             t = xp.tanh(raw * (self.scale / self.softcap))
@@ -155,4 +181,4 @@ class ScoreTerms:
             s = s + b
         if self.bias_mod is not None:
             s = inplace.add(s, self.bias_mod.tile(rows, cols, s.dtype))
-        return s, factor
+        return s, factor, kept

@@ -76,7 +76,7 @@ class _Sums:
     ``(index, grid block start)`` to pieces; ``bias`` maps ``(index, row key, column key)``
     (``None`` along a broadcast axis) to a piece of ``dBias``. Each ``index`` is the batch
     index as the gradient's own array sees it (its size-1 axes broadcast). ``tables`` maps
-    the position of each of ``bias_mod``'s parameters to its gradient so far.
+    the position of each of the mods' parameters to its gradient so far.
     """
 
     dq: dict[Any, Array] = field(default_factory=dict)

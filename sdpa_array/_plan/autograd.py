@@ -48,11 +48,11 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from .._arrays.compat import namespace_name
+from .._arrays.compat import array_namespace, namespace_name
 from .._arrays.typing import Array
 from .._kernels.native import Request, plan_native
 from .._kernels.result import AttentionResult, finish_gradients
-from .._problem.mod_parameters import has_parameters
+from .._problem.mod_parameters import declared_parameters, trainable_mods
 from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .dispatch import Choice, choose
@@ -96,17 +96,27 @@ def _forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> Attenti
 def _trainable_parameters(
     p: Problem, autodiff_array: Callable[[Any], bool], *, rebuilt: bool = False
 ) -> tuple[Any, ...]:
-    """``bias_mod``'s declared parameters (:mod:`~sdpa_array._problem.mod_parameters`)
-    when autodiff follows one of them (then they are inputs of the wrappers, which return
-    their gradients), else ``()``. ``rebuilt``: the wrapper rebuilds the function with
-    its own (traced) parameters, so it must have ``with_parameters`` (JAX)."""
-    mod = p.bias_mod
-    if mod is None or not has_parameters(mod):
+    """The declared parameters of ``score_mod`` and ``bias_mod``
+    (:func:`~sdpa_array._problem.mod_parameters.declared_parameters`) when autodiff follows
+    one of them (then they are inputs of the wrappers, which return their gradients), else
+    ``()``, and ``()`` where one is not an array of the inputs' library (a wrapper could not
+    take it as an input). ``rebuilt``: the wrapper rebuilds the functions with their own (traced)
+    parameters, so each must have ``with_parameters`` (JAX)."""
+    trainable = trainable_mods(p.score_mod, p.bias_mod)
+    if rebuilt and not all(hasattr(mod, "with_parameters") for _, mod in trainable):
         return ()
-    if rebuilt and not hasattr(mod, "with_parameters"):
+    params = declared_parameters(p.score_mod, p.bias_mod)
+    if not all(_of_library(p, a) for a in params):  # then the library differentiates whole
         return ()
-    params = tuple(mod.parameters)
     return params if any(autodiff_array(a) for a in params) else ()
+
+
+def _of_library(p: Problem, a: Any) -> bool:
+    """Whether ``a`` is an array of the inputs' library (a wrapper input)."""
+    try:
+        return namespace_name(array_namespace({"parameter": a})) == namespace_name(p.xp)
+    except TypeError:
+        return False
 
 
 def _torch_grad_enabled() -> bool:
@@ -214,7 +224,7 @@ def _mods_hold(
     data of a ready-made one, or in the closure, defaults or partial arguments of a
     function (a few levels deep). A ``jax.custom_vjp`` cannot close over a tracer, and a
     ``torch.autograd.Function`` would not pass a gradient to such a tensor. The arrays in
-    ``handled`` (``bias_mod``'s declared parameters, inputs of the wrappers) do not count."""
+    ``handled`` (the functions' declared parameters, inputs of the wrappers) do not count."""
 
     def holds(obj: Any, depth: int) -> bool:
         if any(obj is a for a in handled):
@@ -268,7 +278,7 @@ def _gradients(
     grad_lse: Array,
 ) -> tuple[Array, ...]:
     """``(dq, dk, dv, dbias, dsinks, dscale, *dparameters)`` from the backward kernel
-    (``None`` for no input; the gradients of ``bias_mod``'s parameters where
+    (``None`` for no input; the gradients of the mods' parameters where
     ``p.mod_gradients``)."""
     raw = choice.backward(p, x, grad_out, out=out, lse=lse, grad_lse=grad_lse)
     grads = iter(finish_gradients(p, x, raw))
@@ -280,19 +290,24 @@ def _gradients(
 
 
 def _with_parameters(p: Problem, params: tuple[Any, ...]) -> Problem:
-    """``p`` whose ``bias_mod`` holds ``params`` (traced ones, under JAX) and whose backward
-    gives their gradients; ``p`` itself without parameters.
+    """``p`` whose ``score_mod`` and ``bias_mod`` hold ``params`` (traced ones, under JAX;
+    :func:`_trainable_parameters`' order) and whose backward gives their gradients; ``p``
+    itself without parameters.
 
     Under torch the saved parameters may be other tensors holding the same values (saved
     tensors hooks unpack copies): a function without ``with_parameters`` is kept as it is.
     """
     if not params:
         return p
-    mod = p.bias_mod
-    rebuild = getattr(mod, "with_parameters", None)
-    if rebuild is not None and any(a is not b for a, b in zip(params, mod.parameters, strict=True)):
-        mod = rebuild(*params)
-    return dataclasses.replace(p, bias_mod=mod, mod_gradients=True)
+    changes: dict[str, Any] = {"mod_gradients": True}
+    rest = iter(params)
+    for name, mod in trainable_mods(p.score_mod, p.bias_mod):
+        own = tuple(mod.parameters)
+        given = tuple(next(rest) for _ in own)
+        rebuild = getattr(mod, "with_parameters", None)
+        if rebuild is not None and any(a is not b for a, b in zip(given, own, strict=True)):
+            changes[name] = rebuild(*given)
+    return dataclasses.replace(p, **changes)
 
 
 @functools.cache

@@ -1,22 +1,30 @@
-"""Trainable data of a bias function: its parameters and their cotangents, tile by tile.
+"""Trainable data of bias and score functions: their parameters and cotangents, tile by tile.
 
-A ``bias_mod`` may hold trainable arrays (ALiBi's slopes, T5's relative position table). It
-says so with two members, which the ready-made ones of :mod:`sdpa_array.mods` have and a
-user's function may have too:
+A ``bias_mod`` may hold trainable arrays (ALiBi's slopes, T5's relative position table), and
+so may a ``score_mod`` (a temperature per head). A function says so with two members, which
+the ready-made ones of :mod:`sdpa_array.mods` have and a user's function may have too:
 
 * ``parameters``: a tuple of its trainable arrays;
-* ``parameter_cotangents(cotangent, batch, head, q_idx, kv_idx)``: for a ``cotangent`` of the
-  bias on the grid of the index arrays (their broadcast shape), the tuple of
-  ``sum(cotangent * d bias / d parameter)`` over the grid, each of its parameter's shape,
-  in the cotangent's dtype and library.
+* ``parameter_cotangents``: for a ``cotangent`` of the function's values on the grid of the
+  index arrays (their broadcast shape), the tuple of
+  ``sum(cotangent * d value / d parameter)`` over the grid, each of its parameter's shape,
+  in the cotangent's dtype and library. A bias function's takes
+  ``(cotangent, batch, head, q_idx, kv_idx)``; a score function's takes the scores it was
+  applied to as well, ``(cotangent, score, batch, head, q_idx, kv_idx)``.
+
+The trainable functions of a call are its ``score_mod`` and its ``bias_mod``, in that order
+(:func:`trainable_mods`): their parameters, and the gradients returned for them, follow
+that order.
 
 A third member, ``with_parameters(*arrays)`` (the same function holding other arrays),
 is what ``jax.grad`` through the blocked kernel (whose ``jax.custom_vjp`` rebuilds the
 function with its traced parameters) and the oracle (which forms the Jacobian from it)
 need; without it JAX differentiates the materialized path instead.
 
-The backward kernels call the second tile by tile with the tile's score gradient ``dZ``
-(the bias is added to the scores, so ``dZ`` is its cotangent) and add the parts.
+The backward kernels call the second tile by tile and add the parts: a bias function's
+with the tile's score gradient ``dZ`` (the bias is added to the scores, so ``dZ`` is its
+cotangent), a score function's with the gradient of its values (``dZ`` times the
+soft-cap's derivative) and the scaled scores it was given.
 :func:`sum_by_index` and :func:`sum_by_head_and_bucket` are the sums the ready-made mods
 need, written with the Array API only (one-hot matrix products: the standard has no
 scatter-add).
@@ -32,11 +40,13 @@ from .._arrays.compat import array_namespace, device, namespace_name
 __all__ = [
     "BUCKET_CHUNK",
     "check_mod_gradients",
+    "declared_parameters",
     "diagonal_sums",
     "has_parameters",
     "sum_by_head_and_bucket",
     "sum_by_index",
     "sum_where_constant",
+    "trainable_mods",
 ]
 
 #: Elements of one one-hot block of :func:`sum_by_head_and_bucket` (tile cells times
@@ -49,30 +59,47 @@ def has_parameters(mod: Any) -> bool:
     return hasattr(mod, "parameters") and callable(getattr(mod, "parameter_cotangents", None))
 
 
-def check_mod_gradients(xp: ModuleType, bias_mod: Any) -> tuple[Any, ...]:
-    """The parameters of ``bias_mod`` whose gradients are asked for; ``TypeError`` before
-    any work where it has none, or holds arrays that are not real floating arrays of the
-    inputs' namespace ``xp`` (their gradients are returned in it)."""
-    if bias_mod is None or not has_parameters(bias_mod):
-        what = "no bias_mod" if bias_mod is None else f"bias_mod {bias_mod!r}"
+def trainable_mods(score_mod: Any, bias_mod: Any) -> tuple[tuple[str, Any], ...]:
+    """``(name, function)`` of each of ``score_mod`` and ``bias_mod`` (in that order) that
+    declares trainable data (:func:`has_parameters`)."""
+    pairs = (("score_mod", score_mod), ("bias_mod", bias_mod))
+    return tuple((name, mod) for name, mod in pairs if mod is not None and has_parameters(mod))
+
+
+def declared_parameters(score_mod: Any, bias_mod: Any) -> tuple[Any, ...]:
+    """The parameters of the trainable functions, ``score_mod``'s first."""
+    return tuple(a for _, mod in trainable_mods(score_mod, bias_mod) for a in mod.parameters)
+
+
+def check_mod_gradients(xp: ModuleType, score_mod: Any, bias_mod: Any) -> tuple[Any, ...]:
+    """The parameters of ``score_mod`` and ``bias_mod`` whose gradients are asked for
+    (:func:`declared_parameters`); ``TypeError`` before any work where neither has any, or
+    one holds arrays that are not real floating arrays of the inputs' namespace ``xp``
+    (their gradients are returned in it)."""
+    trainable = trainable_mods(score_mod, bias_mod)
+    if not trainable:
+        pairs = (("score_mod", score_mod), ("bias_mod", bias_mod))
+        given = [f"{n} {m!r}" for n, m in pairs if m is not None]
+        what = " and ".join(given) or "no score_mod or bias_mod"
         raise TypeError(
-            f"return_mod_gradients=True needs a bias_mod with trainable parameters (a "
-            f"'parameters' tuple and 'parameter_cotangents', as sdpa_array.mods.alibi and "
-            f"relative_position_bias have); got {what}"
+            "return_mod_gradients=True needs a score_mod or bias_mod with trainable "
+            "parameters (a 'parameters' tuple and 'parameter_cotangents', as "
+            "sdpa_array.mods.alibi, relative_position_bias and temperature have); got "
+            f"{what}"
         )
-    parameters = tuple(bias_mod.parameters)
-    for i, a in enumerate(parameters):
-        try:
-            same = namespace_name(array_namespace({"parameter": a})) == namespace_name(xp)
-        except TypeError:  # not an array
-            same = False
-        if not same or not xp.isdtype(a.dtype, "real floating"):
-            raise TypeError(
-                f"return_mod_gradients=True: bias_mod's parameter {i} must be a real floating "
-                f"array of the inputs' library ({namespace_name(xp)}), got "
-                f"{type(a).__module__}.{type(a).__qualname__}"
-            )
-    return parameters
+    for name, mod in trainable:
+        for i, a in enumerate(tuple(mod.parameters)):
+            try:
+                same = namespace_name(array_namespace({"parameter": a})) == namespace_name(xp)
+            except TypeError:  # not an array
+                same = False
+            if not same or not xp.isdtype(a.dtype, "real floating"):
+                raise TypeError(
+                    f"return_mod_gradients=True: {name}'s parameter {i} must be a real "
+                    f"floating array of the inputs' library ({namespace_name(xp)}), got "
+                    f"{type(a).__module__}.{type(a).__qualname__}"
+                )
+    return declared_parameters(score_mod, bias_mod)
 
 
 def _padded(index: Any, ndim: int, xp: ModuleType) -> Any:

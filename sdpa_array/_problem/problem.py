@@ -84,8 +84,8 @@ class Problem:
         Whether the arrays live on a GPU (CuPy, torch CUDA): tiles are then planned for it
         (:func:`~sdpa_array._kernels.tiling.plans_for_gpu`).
     mod_gradients : bool
-        Whether the backward kernels also give the gradients of ``bias_mod``'s parameters
-        (:mod:`~sdpa_array._problem.mod_parameters`).
+        Whether the backward kernels also give the gradients of the parameters of
+        ``score_mod`` and ``bias_mod`` (:mod:`~sdpa_array._problem.mod_parameters`).
     """
 
     xp: ModuleType

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from .._arrays.compat import array_namespace
 from .._arrays.typing import ScoreMod
+from .mod_parameters import sum_by_index
 from .mods_data import Captured, NamedMod, gather
 
 __all__ = [
@@ -92,6 +93,38 @@ class TemperatureScore(NamedMod):
         """``1 / values[head]``."""
         return 1.0 / self._per_head(score, head)
 
+    @property
+    def parameters(self) -> tuple[Any, ...]:
+        """The trainable temperatures (:mod:`~sdpa_array._problem.mod_parameters`)."""
+        return (self.values.value,)
+
+    def with_parameters(self, values: Any) -> TemperatureScore:
+        """The same function with other temperatures (traced ones, under autodiff)."""
+        return TemperatureScore(_captured(values))
+
+    def parameter_cotangents(
+        self, cotangent: Any, score: Any, batch: Any, head: Any, q_idx: Any, kv_idx: Any
+    ) -> tuple[Any, ...]:
+        """``d values[h] = -sum(cotangent * score) / values[h]²`` over head ``h``'s
+        entries (the sum first, then one division per head)."""
+        xp = _namespace(cotangent)
+        sums = sum_by_index(xp, cotangent * score, head, self.values.shape[0])
+        values = xp.astype(self.values.flat(xp, head), sums.dtype)
+        return (-sums / (values * values),)
+
+    def parameter_derivatives(
+        self, score: Any, batch: Any, head: Any, q_idx: Any, kv_idx: Any
+    ) -> tuple[Any, ...]:
+        """``d (score / values[head]) / d values[n]`` on the grid, for each ``n``: an array
+        of shape ``(heads, *grid)``, ``-score / values[n]²`` where ``head == n`` and 0
+        elsewhere (the oracle contracts it with the cotangent)."""
+        xp = _namespace(score)
+        n = self.values.shape[0]
+        shape = (n,) + (1,) * score.ndim
+        units = xp.reshape(xp.arange(n), shape)
+        values = xp.reshape(xp.astype(self.values.flat(xp, head), score.dtype), shape)
+        return (xp.where(units == head[None, ...], -score[None, ...] / (values * values), 0.0),)
+
 
 def score_function(function: ScoreMod, derivative: ScoreMod) -> ScoreMod:
     """``function`` as a ``score_mod`` whose gradient is ``derivative``.
@@ -157,7 +190,11 @@ def tanh_softcap(cap: float) -> ScoreMod:
 def temperature(values: Any) -> ScoreMod:
     """A temperature per query head: ``score / values[head]``.
 
-    Its derivative is ``1 / values[head]``.
+    Its derivative is ``1 / values[head]``. The temperatures are trainable: the function
+    declares them as its ``parameters``, so they get their gradients through torch
+    autograd and ``jax.grad`` on every path, and from
+    :func:`sdpa_array.scaled_dot_product_attention_vjp` with ``return_mod_gradients=True``
+    (``d values[h] = -Σ cotangent · score / values[h]²`` over head ``h``'s scores).
 
     Parameters
     ----------
@@ -168,7 +205,7 @@ def temperature(values: Any) -> ScoreMod:
     Returns
     -------
     callable
-        The ``score_mod``, with its ``derivative`` method.
+        The ``score_mod``, with its ``derivative`` method and its trainable parameters.
 
     Examples
     --------
@@ -178,5 +215,8 @@ def temperature(values: Any) -> ScoreMod:
     array([[1. , 1. , 1. ],
            [0.5, 0.5, 0.5]])
     """
-    captured = Captured("temperature", "values", values, kind="real floating", ndims=(1,))
-    return TemperatureScore(captured)
+    return TemperatureScore(_captured(values))
+
+
+def _captured(values: Any) -> Captured:
+    return Captured("temperature", "values", values, kind="real floating", ndims=(1,))

@@ -41,6 +41,8 @@ __all__ = [
     "index_grids",
     "parameter_gradients",
     "parameter_jacobian",
+    "score_parameter_gradients",
+    "score_parameter_jacobian",
 ]
 
 
@@ -218,3 +220,60 @@ def parameter_gradients(
     """
     axes = tuple(range(-len(shape), 0))
     return tuple(np.sum(d_z * j, axis=axes) for j in parameter_jacobian(bias_mod, grids, shape))
+
+
+def score_parameter_jacobian(
+    score_mod: Any, raw: np.ndarray, grids: tuple[Any, ...]
+) -> list[np.ndarray]:
+    """``d score_mod / d theta`` of each of ``score_mod``'s ``parameters`` ``theta`` at the
+    scaled scores ``raw``: the function's own ``parameter_derivatives(raw, *grids)``, one
+    array per parameter of ``theta``'s shape followed by the scores' (broadcast to it), as
+    float64.
+
+    Raises
+    ------
+    TypeError
+        If ``score_mod`` has no ``parameters`` and ``parameter_derivatives``.
+    ValueError
+        If a Jacobian does not broadcast to its parameter's shape and the scores'.
+    """
+    derivatives = getattr(score_mod, "parameter_derivatives", None)
+    if not hasattr(score_mod, "parameters") or not callable(derivatives):
+        raise TypeError(
+            "return_mod_gradients=True needs a score_mod with 'parameters' and "
+            "'parameter_derivatives' (the oracle contracts its Jacobian), got "
+            f"{score_mod!r}"
+        )
+    shapes = [tuple(np.shape(to_numpy(a))) for a in score_mod.parameters]
+    jacobians = []
+    for shape, jacobian in zip(shapes, derivatives(raw, *grids), strict=True):
+        full = (*shape, *raw.shape)
+        try:
+            j = np.broadcast_to(np.asarray(to_numpy(jacobian), dtype=np.float64), full)
+        except ValueError:
+            raise ValueError(
+                f"score_mod's parameter_derivatives returned shape {np.shape(jacobian)}, "
+                f"which does not broadcast to {full}"
+            ) from None
+        jacobians.append(j)
+    return jacobians
+
+
+def score_parameter_gradients(
+    score_mod: Any, raw: np.ndarray, grids: tuple[Any, ...], d_modded: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """The gradient of each of ``score_mod``'s ``parameters`` for the gradient
+    ``d_modded`` of its values: ``d theta = sum(d_modded * d score_mod / d theta)`` over
+    the scores, with the Jacobian of :func:`score_parameter_jacobian` (the function's own
+    derivatives; the contraction is the oracle's).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`score_parameter_jacobian`.
+    """
+    grads = []
+    for j in score_parameter_jacobian(score_mod, raw, grids):
+        axes = tuple(range(j.ndim - raw.ndim, j.ndim))
+        grads.append(np.sum(j * d_modded, axis=axes))
+    return tuple(grads)

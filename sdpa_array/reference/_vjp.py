@@ -11,7 +11,7 @@ from ._adjoints import sum_to_shape, unrepeat_heads
 from ._convert import as_float64
 from ._forward import forward_pass, score_derivative, validate_and_prepare
 from ._layout import heads_back, heads_first
-from ._mods import index_grids, parameter_gradients
+from ._mods import index_grids, parameter_gradients, score_parameter_gradients
 
 __all__ = ["scaled_dot_product_attention_vjp"]
 
@@ -75,12 +75,15 @@ def scaled_dot_product_attention_vjp(
         ``bias_mod``'s parameters get gradients with ``return_mod_gradients``.
     score_mod : callable, optional
         As in :func:`scaled_dot_product_attention`; the score gradients are multiplied by
-        its ``derivative`` method (a ``TypeError`` without one).
+        its ``derivative`` method (a ``TypeError`` without one); its parameters get
+        gradients with ``return_mod_gradients``.
     return_mod_gradients : bool, default False
-        Also return the gradient of each of ``bias_mod``'s ``parameters``, last: the
-        Jacobian of the bias in them is formed column by column from the mod's
-        ``with_parameters``, exactly for a mod affine in its parameters (ALiBi's slopes,
-        T5's table), and contracted with ``dBias``.
+        Also return the gradient of each of the ``parameters`` of ``score_mod`` and then
+        ``bias_mod`` (those that declare any), last. The Jacobian of the bias in its
+        parameters is formed column by column from the mod's ``with_parameters``, exactly
+        for a mod affine in its parameters (ALiBi's slopes, T5's table), and contracted
+        with ``dBias``; that of the score function is its ``parameter_derivatives``,
+        contracted with the gradient of its values (``dZ`` through the soft-cap).
     layout : {"BHLE", "BLHE"}, default "BHLE"
         As in :func:`scaled_dot_product_attention`; with ``"BLHE"`` ``grad_output`` and
         the three gradients are ``(..., L, H, E)`` too.
@@ -102,7 +105,7 @@ def scaled_dot_product_attention_vjp(
         Only if ``scale`` is given as an array: a 0-d float64 array.
     grad_mod_parameters : numpy.ndarray
         Only with ``return_mod_gradients=True``: one float64 array of each of
-        ``bias_mod``'s parameters' shape.
+        ``score_mod``'s, then ``bias_mod``'s, parameters' shape.
 
     Notes
     -----
@@ -197,9 +200,10 @@ def scaled_dot_product_attention_vjp(
     d_Z = np.where(fwd["allowed"], d_Z_all[..., :S], 0.0)
 
     # Z = softcap(score_mod(raw)) + bias; softcap'(m) = 1 - tanh²(m / softcap).
-    d_raw = d_Z
+    d_modded = d_Z
     if softcap is not None:
-        d_raw = d_Z * (1.0 - np.tanh(fwd["modded"] / softcap) ** 2)
+        d_modded = d_Z * (1.0 - np.tanh(fwd["modded"] / softcap) ** 2)
+    d_raw = d_modded
     if prep["score_mod"] is not None:
         d_raw = d_raw * score_derivative(prep, fwd["raw"])
 
@@ -223,7 +227,15 @@ def scaled_dot_product_attention_vjp(
         qk = np.matmul(q, np.swapaxes(k_rep, -1, -2))
         grads.append(np.asarray(np.sum(d_raw * qk), dtype=np.float64))
     if return_mod_gradients:
-        lead = d_Z.shape[:-2]
-        grids = index_grids(q, lead, d_Z.shape[-2], S)
-        grads.extend(parameter_gradients(bias_mod, grids, d_Z.shape, d_Z))
+        trained = [m for m in (score_mod, bias_mod) if hasattr(m, "parameters")]
+        if not trained:
+            raise TypeError(
+                "return_mod_gradients=True needs a score_mod or bias_mod with 'parameters'"
+            )
+        if hasattr(score_mod, "parameters"):
+            grids = prep["score_grids"]
+            grads.extend(score_parameter_gradients(score_mod, fwd["raw"], grids, d_modded))
+        if hasattr(bias_mod, "parameters"):
+            grids = index_grids(q, d_Z.shape[:-2], d_Z.shape[-2], S)
+            grads.extend(parameter_gradients(bias_mod, grids, d_Z.shape, d_Z))
     return tuple(grads)

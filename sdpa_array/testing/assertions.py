@@ -290,7 +290,8 @@ def assert_vjp_close_to_oracle(
     dparameters])``) against the oracle.
 
     ``dsinks`` is expected when ``sinks`` is given, ``dscale`` when ``scale`` is an array,
-    the gradients of ``bias_mod``'s parameters with ``return_mod_gradients=True``.
+    the gradients of the parameters of ``score_mod`` and ``bias_mod`` with
+    ``return_mod_gradients=True``.
 
     Each gradient must have its input's library, array type, shape, dtype and device, and
     every entry must be within the element-wise bound of
@@ -332,8 +333,10 @@ def assert_vjp_close_to_oracle(
     named = {"dq": query, "dk": key, "dv": value, "dbias": bias, "dsinks": sinks}
     named["dscale"] = options.get("scale")
     named["dscale"] = named["dscale"] if scale_is_array(named["dscale"]) else None
-    if options.get("return_mod_gradients"):  # bias_mod's parameters, last
-        for i, a in enumerate(options["bias_mod"].parameters):
+    if options.get("return_mod_gradients"):  # score_mod's, then bias_mod's parameters, last
+        trained: list[Any] = [options.get(n) for n in ("score_mod", "bias_mod")]
+        params = [a for mod in trained if hasattr(mod, "parameters") for a in mod.parameters]
+        for i, a in enumerate(params):
             named[f"dparameter{i}"] = a
     inputs = {n: x for n, x in named.items() if x is not None}
     assert len(grads) == len(inputs), f"{len(grads)} gradients for {len(inputs)} inputs"

@@ -155,16 +155,19 @@ def vjp_oracle_and_bounds(
         The element-wise bound of each, in the same order and shapes.
     """
     softcap = options.get("softcap")
-    mod: Any = options.get("bias_mod")
-    if options.get("return_mod_gradients") and hasattr(mod, "with_parameters"):
-        # the oracle reads the parameters on the host (lazy or 16-bit ones included)
-        host = [reference.to_numpy(a).astype(np.float64) for a in mod.parameters]
-        options["bias_mod"] = mod.with_parameters(*host)
+    with_parameters = bool(options.get("return_mod_gradients", False))
+    trained = [n for n in ("score_mod", "bias_mod") if hasattr(options.get(n), "parameters")]
+    for name in trained if with_parameters else []:
+        mod: Any = options[name]
+        if hasattr(mod, "with_parameters"):
+            # the oracle reads the parameters on the host (lazy or 16-bit ones included)
+            host = [reference.to_numpy(a).astype(np.float64) for a in mod.parameters]
+            options[name] = mod.with_parameters(*host)
     expected = list(
         reference.scaled_dot_product_attention_vjp(q, k, v, d_out, mask=mask, bias=bias, **options)
     )
-    with_parameters = bool(options.pop("return_mod_gradients", False))
-    n_params = len(options["bias_mod"].parameters) if with_parameters else 0
+    options.pop("return_mod_gradients", None)
+    n_params = sum(len(options[n].parameters) for n in trained) if with_parameters else 0
     d_params = expected[len(expected) - n_params :]
     del expected[len(expected) - n_params :]
     scale_array = options.get("scale")
@@ -220,6 +223,7 @@ def vjp_oracle_and_bounds(
         S_abs = Z_abs * c
     else:
         e_S, S_abs = e_Z, Z_abs
+    e_M, M_abs = e_S, S_abs  # the gradient of score_mod's values
     if slope is not None:
         shift = _slope_shift(score_mod, fwd["raw"], score_error(dtype, q, k, scale))
         e_S = e_S * slope + S_abs * (shift + SCORE_MOD_ROUNDINGS * u * slope)
@@ -270,11 +274,44 @@ def vjp_oracle_and_bounds(
         bounds.append(np.asarray(err + u_s * np.abs(d_scale)))
     if with_parameters:
         h_z = None if grad_lse is None else P * h
-        for d_param, jacobian in zip(
-            d_params, _jacobian(options["bias_mod"], q, P.shape), strict=True
-        ):
-            _parameter_terms(d_param, jacobian, e_Z, Z_abs, h_z, dtype, u, expected, bounds)
+        params = iter(d_params)
+        if "score_mod" in trained:
+            e0 = score_error(dtype, q, k, scale)
+            h_m = h_z
+            if h_z is not None and softcap is not None:
+                h_m = h_z * (1.0 - np.tanh(fwd["modded"] / softcap) ** 2)
+            for jacobian, shift_j in _score_jacobians(score_mod, fwd["raw"], e0):
+                e_j = shift_j + SCORE_MOD_ROUNDINGS * u * np.abs(jacobian)
+                d_param = next(params)
+                _parameter_terms(
+                    d_param, jacobian, e_M, M_abs, e_j, h_m, dtype, u, expected, bounds
+                )
+        if "bias_mod" in trained:
+            for jacobian in _jacobian(options["bias_mod"], q, P.shape):
+                d_param = next(params)
+                _parameter_terms(
+                    d_param, jacobian, e_Z, Z_abs, None, h_z, dtype, u, expected, bounds
+                )
     return expected, bounds
+
+
+def _score_jacobians(
+    score_mod: Any, raw: np.ndarray, e0: float
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``d f / d theta`` of each parameter ``theta`` of the ``score_mod`` ``f`` at the
+    oracle's scaled scores ``raw``, as the oracle forms it
+    (:func:`sdpa_array.reference._mods.score_parameter_jacobian`), with its shift
+    ``max_± |J(raw ± e0) - J(raw)|`` under the product's error ``e0``."""
+    from ..reference._mods import index_grids, score_parameter_jacobian
+
+    lead, (L, S) = raw.shape[:-2], raw.shape[-2:]
+    grids = index_grids(np.zeros((*lead, L, 1)), lead, L, S)
+    here = score_parameter_jacobian(score_mod, raw, grids)
+    moved = [score_parameter_jacobian(score_mod, raw + sign * e0, grids) for sign in (1, -1)]
+    return [
+        (j, np.maximum(np.abs(up - j), np.abs(down - j)))
+        for j, up, down in zip(here, *moved, strict=True)
+    ]
 
 
 def _jacobian(bias_mod: Any, q: np.ndarray, shape: tuple[int, ...]) -> list[np.ndarray]:
@@ -291,6 +328,7 @@ def _parameter_terms(
     jacobian: np.ndarray,
     e_z: np.ndarray,
     z_abs: np.ndarray,
+    e_j: np.ndarray | None,
     h_z: np.ndarray | None,
     dtype: str,
     u: float,
@@ -299,14 +337,22 @@ def _parameter_terms(
 ) -> None:
     """Append a parameter's expected gradient ``Σ dZ ⊙ J`` (plus ``Σ (P h) ⊙ J`` for a
     log-sum-exp cotangent) and its bound: the propagated ``dZ`` bound ``Σ |J| e_Z``, the
-    rounding of the products and of a sum of every score (``(N + 3) u Σ |J| |dZ|`` with
-    ``N`` the scores' count), and the rounding to ``dtype``."""
+    error of ``J`` itself where it is computed from the scores (``e_j``: a score
+    function's, ``Σ |dZ| e_j``), the rounding of the products and of a sum of every score
+    (``(N + 3) u Σ |J| |dZ|`` with ``N`` the scores' count), and the rounding to ``dtype``.
+
+    For a bias function ``dZ`` is the score gradient and ``J`` exact (its values are data);
+    for a score function ``dZ`` is the gradient of its values (through the soft-cap: the
+    ``e_S``, ``|dS|`` above, before the function's slope) and ``h_z`` is ``P h`` through the
+    soft-cap too."""
     axes = tuple(range(d_param.ndim, jacobian.ndim))
     j_abs = np.abs(jacobian)
     if h_z is not None:
         d_param = d_param + np.sum(jacobian * h_z, axis=axes)
     n = int(np.prod(jacobian.shape[d_param.ndim :]))
     err = np.sum(j_abs * e_z, axis=axes) + (n + 3) * u * np.sum(j_abs * z_abs, axis=axes)
+    if e_j is not None:
+        err = err + np.sum(z_abs * e_j, axis=axes)
     expected.append(d_param)
     bounds.append(err + UNIT_ROUNDOFF[dtype] * np.abs(d_param))
 
