@@ -1,16 +1,18 @@
 """float32 error of the NumPy kernels on long rows, forward and gradients, against torch's.
 
-Unit logits, rows of 256 to 1024 keys: the relative RMS error ``‖x - oracle‖ / ‖oracle‖`` of
+Unit logits, rows of 128 to 1024 keys: the relative RMS error ``‖x - oracle‖ / ‖oracle‖`` of
 the output and of ``dq, dk, dv``, pooled over :data:`SEEDS` draws, must be at most
 :data:`BOUND` times that of the better of torch's two CPU kernels (its default and
 ``SDPBackend.MATH``) on the same rounded inputs. The gap this pins (1.12-1.39x before) was
 the length of the contractions of ``P V``, ``Pᵀ dO``, ``dS K`` and ``dSᵀ Q``: OpenBLAS
 accumulates each output element in one chain along them, and ``_arrays/products.py`` now
-splits them into chunks of 128.
+splits them into chunks of 128, or of 64 where the whole sum is at most 128 long (1.23 for
+the gradients at L = 128 causal before).
 
 Why this bound and these cases: at unit logits the pooled ratio repeats to about 1 %
 between pools of 3 seeds (``asv_benchmarks/accuracy_gaps.py``), so :data:`BOUND` = 1.05 is
-the issue's target with room for that noise only; measured 0.88-1.02 here. Max-abs errors
+the issue's target with room for that noise only; measured 0.88-1.02 here (rows of 256 to
+1024). Max-abs errors
 and large logits are left out: there a few rows (near ties of the two largest scores) carry
 the whole error and two equally accurate kernels differ by 0.7-2x between pools; the
 forward at large logits is checked against torch's default kernel in
@@ -40,6 +42,7 @@ CASES = {
     "L1024-E64-causal": ((1, 2, 1024, 1024, 64), {"is_causal": True}),
     "L1024-E64-bias": ((1, 2, 1024, 1024, 64), {"bias": True}),
     "L256-E48-bias": ((1, 2, 256, 256, 48), {"bias": True}),
+    "L128-E64-causal": ((1, 4, 128, 128, 64), {"is_causal": True}),
 }
 OUTPUTS = ("out", "dq", "dk", "dv")
 

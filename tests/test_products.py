@@ -1,7 +1,8 @@
 """``_arrays/products.py``: long contractions split into chunks on NumPy's BLAS.
 
 The split product equals the plain one up to rounding for every length (ragged last chunk,
-transposed views), cuts the contraction where it applies and nowhere else, and makes the
+transposed views), cuts the contraction where it applies (into shorter chunks where the
+whole sum is short) and nowhere else, and makes the
 float32 error of a long contraction smaller (the accuracy against torch is pinned in
 ``test_accuracy_long_rows.py``).
 """
@@ -15,7 +16,7 @@ from sdpa_array._arrays import products
 from sdpa_array._arrays.compat import array_namespace
 
 
-@pytest.mark.parametrize("k", [1, 127, 128, 129, 300, 1000, 1024])
+@pytest.mark.parametrize("k", [1, 63, 64, 65, 127, 128, 129, 300, 1000, 1024])
 def test_equals_the_plain_product(k):
     rng = np.random.default_rng(k)
     a = rng.standard_normal((2, 3, 17, k))
@@ -42,8 +43,16 @@ def test_splits_only_long_contractions_on_numpy(monkeypatch):
     products.matmul(Counting(), np.ones((4, 300)), np.ones((300, 2)))
     assert calls == [100, 100, 100]  # balanced chunks of at most CHUNK
     calls.clear()
-    products.matmul(Counting(), np.ones((4, products.CHUNK)), np.ones((products.CHUNK, 2)))
+    chunk = np.ones((4, products.CHUNK)), np.ones((products.CHUNK, 2))
+    products.matmul(Counting(), *chunk, whole=1000)  # a tile of a long sum: one chain
     assert calls == [products.CHUNK]
+    calls.clear()
+    products.matmul(Counting(), *chunk)  # the whole sum, short: chunks of SHORT_CHUNK
+    assert calls == [products.SHORT_CHUNK, products.SHORT_CHUNK]
+    calls.clear()
+    short = np.ones((4, products.SHORT_CHUNK)), np.ones((products.SHORT_CHUNK, 2))
+    products.matmul(Counting(), *short)
+    assert calls == [products.SHORT_CHUNK]
     calls.clear()
     monkeypatch.setattr(products, "namespace_name", lambda _: "torch")
     products.matmul(Counting(), np.ones((4, 300)), np.ones((300, 2)))

@@ -7,7 +7,12 @@ tile's keys (``P V``, ``dS K``) or rows (``Pᵀ dO``, ``dSᵀ Q``) then made the
 of the NumPy kernels 1.1-1.4x that of torch's CPU kernels (docs/performance.md, issue 28).
 :func:`matmul` cuts such a contraction into chunks of at most :data:`CHUNK` and adds their
 products: the chains are short and the chunks few (the additions are ``K / CHUNK`` passes
-over the small result), at about 9 % more time for the product. Other libraries (torch,
+over the small result), at about 9 % more time for the product. A sum that is short as a
+whole (``whole``, its length across the tiles that add into each result entry, at most
+:data:`CHUNK`) is cut into chunks of :data:`SHORT_CHUNK`: its one chain is then its whole
+error, and halving it costs little, the problem being small; in a long sum the chains of the
+tiles' partial results add up anyway, and chunks below :data:`CHUNK` cost 8-18 % of a
+large backward pass (smaller products). Other libraries (torch,
 JAX, CuPy, Dask, whose kernels run on other BLAS or on a device, where each chunk would be a
 launch) get one product.
 """
@@ -20,22 +25,28 @@ from . import inplace
 from .compat import namespace_name
 from .typing import Array
 
-__all__ = ["CHUNK", "SPLIT_LIBRARIES", "matmul"]
+__all__ = ["CHUNK", "SHORT_CHUNK", "SPLIT_LIBRARIES", "matmul"]
 
 #: Longest contraction computed as one product where :data:`SPLIT_LIBRARIES` apply.
 CHUNK = 128
+
+#: The same, for a sum whose whole length is at most :data:`CHUNK`.
+SHORT_CHUNK = 64
 
 #: Namespaces (as :func:`namespace_name` spells them) on OpenBLAS through NumPy.
 SPLIT_LIBRARIES = frozenset({"numpy", "array_api_strict"})
 
 
-def matmul(xp: ModuleType, a: Array, b: Array) -> Array:
-    """``a @ b``; on :data:`SPLIT_LIBRARIES` a contraction longer than :data:`CHUNK` is
-    cut into balanced chunks whose products are added in order."""
+def matmul(xp: ModuleType, a: Array, b: Array, whole: int | None = None) -> Array:
+    """``a @ b``; on :data:`SPLIT_LIBRARIES` a contraction longer than :data:`CHUNK` (than
+    :data:`SHORT_CHUNK` where the sum's ``whole`` length, default the contraction's own,
+    is at most :data:`CHUNK`) is cut into balanced chunks whose products are added in
+    order."""
     k = int(a.shape[-1])
-    if k <= CHUNK or namespace_name(xp) not in SPLIT_LIBRARIES:
+    chunk = CHUNK if (k if whole is None else whole) > CHUNK else SHORT_CHUNK
+    if k <= chunk or namespace_name(xp) not in SPLIT_LIBRARIES:
         return xp.matmul(a, b)
-    count = -(-k // CHUNK)
+    count = -(-k // chunk)
     size = -(-k // count)
     out = xp.matmul(a[..., :size], b[..., :size, :])
     for start in range(size, k, size):

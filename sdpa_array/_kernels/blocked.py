@@ -47,7 +47,7 @@ def _tile_sums(
     tile_total = row_sum(p, e)
     if ops.dropout is not None:
         e = ops.dropout.tile(p.xp, e, rows, cols, p.device, scaled=False)
-    return tile_total, products.matmul(p.xp, e, ops.v[..., cols, :])
+    return tile_total, products.matmul(p.xp, e, ops.v[..., cols, :], whole=p.S)
 
 
 def _online_tiles(

@@ -269,7 +269,10 @@ def tile_gradients(
     # the sink's dZ is p_sink * (0 - D), its value being zero
     dsink = None if p_sink is None else -xp.sum(p_sink * delta, axis=-2, keepdims=True)
     dz = inplace.multiply(inplace.subtract(d_prob, delta), prob)  # P * (dP - D)
-    dv = products.matmul(xp, xp.matrix_transpose(merge_groups(p, kept)), merge_groups(p, r.d_out))
+    rows_whole = p.L * (p.groups if p.grouped else 1)  # what dK and dV sum over
+    dv = products.matmul(
+        xp, xp.matrix_transpose(merge_groups(p, kept)), merge_groups(p, r.d_out), rows_whole
+    )
     del prob, kept
     dtables = _table_cotangents(ops, dz, mod_input, bias_trained, rows, cols)
     if factor is None:
@@ -278,10 +281,12 @@ def tile_gradients(
         ds = dz * factor
     else:
         ds = dz = inplace.multiply(dz, factor)
-    dq = products.matmul(xp, ds, k)
+    dq = products.matmul(xp, ds, k, p.S)
     if factor is None:
         dq = inplace.multiply(dq, ops.terms.scale)
-    dk = products.matmul(xp, xp.matrix_transpose(merge_groups(p, ds)), merge_groups(p, r.q))
+    dk = products.matmul(
+        xp, xp.matrix_transpose(merge_groups(p, ds)), merge_groups(p, r.q), rows_whole
+    )
     return TileGrads(dq=dq, dk=dk, dv=dv, dz=dz if need_dz else None, dsink=dsink, dtables=dtables)
 
 
