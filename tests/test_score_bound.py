@@ -17,6 +17,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sdpa_array
 from sdpa_array._kernels import blocked, score_bound, vjp_blocked
@@ -98,6 +100,30 @@ def test_tiny_rows_do_not_hide_large_scores():
     assert not _decision(k, q, v, scale=1e10)
     out = sdpa_array.scaled_dot_product_attention(q, k, v, scale=1e10, implementation="blocked")
     assert np.isfinite(out).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    exponent=st.integers(-45, 38),
+    features=st.integers(1, 300),
+    dtype=st.sampled_from(["float32", "float64"]),
+    seed=st.integers(0, 2**16),
+)
+def test_norm_bound_holds(exponent, features, dtype, seed):
+    """``_largest_norm`` (``vecdot`` in the array's dtype) is never below the largest row
+    norm computed in extended precision, for entries from subnormal to near overflow
+    (divided by the largest first, without a warning), and is tight: within its own
+    growth ``(1 + 2 E eps)`` and ``sqrt(E · smallest normal)``."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((3, 5, features)) * 10.0**exponent).astype(dtype)
+    p = validate(x, x, x, Options())
+    got = score_bound._largest_norm(p, x)
+    wide = x.astype(np.longdouble)
+    true = float(np.sqrt(np.max(np.sum(wide * wide, axis=-1))))
+    finfo = np.finfo(dtype)
+    assert got >= true
+    slack = math.sqrt(features * float(finfo.smallest_normal))
+    assert got <= true * math.sqrt(1 + 4 * features * float(finfo.eps)) + slack
 
 
 @pytest.mark.parametrize(

@@ -40,18 +40,34 @@ def _largest(p: Problem, x: Array) -> float | None:
 
 
 def _largest_norm(p: Problem, x: Array) -> float | None:
-    """The largest Euclidean norm of ``x``'s rows (last axis), read on the host; the rows
-    are divided by the largest ``|x|`` first, so that no square underflows to 0 or
-    overflows (``None`` where that is not finite)."""
+    """An upper bound on the largest Euclidean norm of ``x``'s rows (last axis), read on
+    the host (``None`` where it is not finite: a NaN or an infinity in ``x``).
+
+    The rows' squared norms ``vecdot(x, x)`` in ``x``'s dtype, whose largest is grown by
+    their rounding (a sum of ``E`` non-negative terms, each rounded: relative error below
+    ``(E + 1) u``, taken as ``2 E eps``) and by what squares below the smallest normal
+    number may have lost (``E`` times it). The largest ``|x|`` is read first (no
+    temporary), so that no square overflows: where ``E`` squares of it could, the rows are
+    divided by it first.
+    """
     xp = p.xp
-    top = _largest(p, xp.abs(x))
-    if top is None or not math.isfinite(top):
+    high, low = _largest(p, x), known_value(xp.min(x))
+    if high is None or low is None:
         return None
-    if top == 0:
-        return 0.0
+    top = max(high, -low)
+    if not math.isfinite(top):  # NaN too
+        return None
+    finfo = xp.finfo(x.dtype)
+    n = int(x.shape[-1])
+    growth = 1.0 + 2.0 * n * float(finfo.eps)
+    if top * top * n * growth <= float(finfo.max):
+        squares = _largest(p, xp.vecdot(x, x))
+        if squares is None:
+            return None
+        return math.sqrt(squares * growth + n * float(finfo.smallest_normal))
     unit = x / top
-    square = _largest(p, xp.sum(unit * unit, axis=-1))
-    return None if square is None else top * math.sqrt(square)
+    squares = _largest(p, xp.vecdot(unit, unit))
+    return None if squares is None else top * math.sqrt(squares * growth)
 
 
 def fixed_reference(p: Problem, ops: Operands) -> bool:
@@ -83,8 +99,10 @@ def fixed_reference(p: Problem, ops: Operands) -> bool:
             return False
     magnitude = xp.abs(ops.v)
     largest = _largest(p, magnitude)
-    inf = xp.asarray(math.inf, dtype=p.compute_dtype, device=p.device)
-    smallest = known_value(xp.min(xp.where(magnitude == 0, inf, magnitude)))
+    smallest = known_value(xp.min(magnitude))
+    if smallest == 0:  # the smallest nonzero magnitude instead
+        inf = xp.asarray(math.inf, dtype=p.compute_dtype, device=p.device)
+        smallest = known_value(xp.min(xp.where(magnitude == 0, inf, magnitude)))
     if largest is None or smallest is None:
         return False
     finfo = xp.finfo(p.compute_dtype)
