@@ -439,6 +439,55 @@ def test_thread_configuration(monkeypatch):
         parallel.set_num_threads(0)
 
 
+def test_pool_takes_the_costliest_items_first(monkeypatch):
+    """With costs, the pool starts the items in decreasing cost (one thread: the start
+    order is the submission order) and returns the results in the items' order; a query
+    block's cost is the number of scores its tiles compute."""
+    import threading
+
+    from sdpa_array._kernels.tiling import KeyTile, QueryBlock, TileKind, block_scores
+
+    started, lock = [], threading.Lock()
+
+    def fn(item):
+        with lock:
+            started.append(item)
+        return item * 10
+
+    xp = array_namespace({"x": np.zeros(1)})
+    monkeypatch.setattr(parallel, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(parallel, "ThreadPoolExecutor", _OneWorker)
+    got = parallel.map_blocks(xp, fn, [0, 1, 2, 3], costs=[1.0, 5.0, 3.0, 5.0])
+    assert got == [0, 10, 20, 30]
+    assert started == [1, 3, 2, 0]
+    started.clear()
+    assert parallel.map_blocks(xp, fn, [0, 1, 2]) == [0, 10, 20]
+    assert started == [0, 1, 2]
+    full = KeyTile(0, 8, TileKind.FULL)
+    cut = KeyTile(8, 12, TileKind.PARTIAL, rows=(3, 5))
+    assert block_scores(QueryBlock(0, 6, (full, cut))) == 6 * 8 + 2 * 4
+
+
+class _OneWorker:
+    """A stand-in for ``ThreadPoolExecutor`` that runs each submitted call at once."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        future = Future()
+        future.set_result(fn(*args))
+        return future
+
+
 def test_pool_only_for_numpy(backend, monkeypatch):
     """Other libraries run blocks one after the other, in the calling thread."""
     import threading

@@ -118,20 +118,32 @@ def get_num_threads() -> int:
     return max(1, min(_cpus(), DEFAULT_MAX_THREADS))
 
 
-def map_blocks(xp: ModuleType, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+def map_blocks(
+    xp: ModuleType,
+    fn: Callable[[T], R],
+    items: Sequence[T],
+    costs: Sequence[float] | None = None,
+) -> list[R]:
     """``[fn(item) for item in items]``, on a thread pool for NumPy when configured.
 
     The results keep the order of ``items``; an exception in any ``fn`` is raised here.
+    With ``costs`` (one per item, in any unit), the pool takes the items in decreasing cost
+    (longest first: the items left for the last free thread are the cheapest, so the
+    threads finish close together).
     """
     threads = get_num_threads() if namespace_name(xp) in THREADED_LIBRARIES else 1
     threads = min(threads, len(items))
     if threads <= 1:
         return [fn(item) for item in items]
+    order: list[int] = list(range(len(items)))
+    if costs is not None:
+        order = sorted(order, key=lambda i: -costs[i])  # stable: ties keep their order
     with (
         _single_threaded_blas(),
         ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sdpa_array") as pool,
     ):
-        return list(pool.map(fn, items))
+        futures = {i: pool.submit(fn, items[i]) for i in order}
+        return [futures[i].result() for i in range(len(items))]
 
 
 # Created at the first pooled call: building it inspects the loaded native libraries.

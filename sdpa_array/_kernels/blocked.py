@@ -30,6 +30,7 @@ from .softmax import exp_shift, log_sum_exp, row_sum, safe_reciprocal
 from .tiling import (
     QueryBlock,
     batch_slices,
+    block_scores,
     choose_block_sizes,
     plan_blocks,
     plans_for_gpu,
@@ -207,7 +208,10 @@ def blocked_attention(
     items = [(index, block) for index in outer for block in plans[index]]
     inner = batch[split:]
     results = map_blocks(
-        xp, lambda item: _query_block(p, slices[item[0]], inner, item[1], maxima, fixed), items
+        xp,
+        lambda item: _query_block(p, slices[item[0]], inner, item[1], maxima, fixed),
+        items,
+        [block_scores(block) for _, block in items],
     )
 
     outs, lses, bests = [], [], []

@@ -32,6 +32,7 @@ __all__ = [
     "QueryBlock",
     "balanced",
     "batch_slices",
+    "block_scores",
     "choose_block_sizes",
     "gpu_plans",
     "plan_backward",
@@ -134,6 +135,14 @@ class QueryBlock:
     start: int
     stop: int
     tiles: tuple[KeyTile, ...]
+
+
+def block_scores(block: QueryBlock) -> int:
+    """How many scores the block's tiles compute (its share of the work)."""
+    n = block.stop - block.start
+    return sum(
+        (n if t.rows is None else t.rows[1] - t.rows[0]) * (t.stop - t.start) for t in block.tiles
+    )
 
 
 def balanced(n: int, most: int) -> int:
