@@ -20,6 +20,8 @@ table, a temperature per head, and a temperature beside ALiBi's slopes.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -184,6 +186,88 @@ def test_jax_grad_gives_the_table_its_gradient(jax_backend, kind, implementation
     for grad in (jax.grad(loss, argnums=(0, 1, 2, 3)), jax.jit(jax.grad(loss, (0, 1, 2, 3)))):
         dq, dk, dv, dparams = grad(q, k, v, params)
         assert_vjp_close_to_oracle((dq, dk, dv, *dparams), q, k, v, g, **options)
+
+
+def test_torch_func_vmap_of_grad_over_temperatures(torch_backend):
+    """``torch.func.vmap(torch.func.grad(loss))`` over a batch of temperatures, through the
+    blocked kernel's autograd wrapper (its forward runs the function on the tensors it is
+    given, which functorch wraps per level): each row equals the gradient of that row
+    alone. ``hessian`` (forward mode over the wrapper) fails loudly."""
+    import torch
+
+    q, k, v, g = (torch_backend.asarray(a, "float64") for a in _arrays(seed=12))
+    temperatures = torch_backend.asarray(np.array([[0.5, 0.8, 1.25, 2.0], [1.0] * 4]), "float64")
+
+    def loss(t):
+        out = sdpa_array.scaled_dot_product_attention(
+            q, k, v, score_mod=mods.temperature(t), implementation="blocked", block_q=4
+        )
+        return (out * g).sum()
+
+    batched = torch.func.vmap(torch.func.grad(loss))(temperatures)
+    for row, t in zip(batched, temperatures, strict=True):
+        expected = sdpa_array.scaled_dot_product_attention_vjp(
+            q, k, v, g, score_mod=mods.temperature(t), return_mod_gradients=True
+        )[-1]
+        torch.testing.assert_close(row, expected, rtol=0, atol=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch's own, on forward mode
+        with pytest.raises(NotImplementedError, match="jvp"):
+            torch.func.hessian(loss)(temperatures[0])
+
+
+def test_jax_jacrev_and_vmap_of_grad_over_temperatures(jax_backend):
+    """``jax.jacrev`` (the VJP under ``vmap``) and ``jax.vmap(jax.grad(...))`` over the
+    temperatures, through the blocked kernel's ``jax.custom_vjp``, against the VJP row by
+    row (batched tracers have no device: the gradients are not moved)."""
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v, g = (jax_backend.asarray(a, "float64") for a in _arrays(seed=13))
+    t = jnp.asarray([0.5, 0.8, 1.25, 2.0])
+
+    def out(t):
+        return sdpa_array.scaled_dot_product_attention(
+            q, k, v, score_mod=mods.temperature(t), implementation="blocked", block_q=4
+        )
+
+    jacobian = jax.jacrev(lambda t: jnp.sum(out(t) * g, axis=(0, 2, 3)))(t)  # (H, H)
+    for h in range(H):
+        gh = g * (jnp.arange(H) == h)[None, :, None, None]
+        expected = sdpa_array.scaled_dot_product_attention_vjp(
+            q, k, v, gh, score_mod=mods.temperature(t), return_mod_gradients=True
+        )[-1]
+        np.testing.assert_allclose(jacobian[h], expected, rtol=0, atol=1e-12)
+    batch = jnp.stack([t, 2 * t])
+    rows = jax.vmap(jax.grad(lambda t: jnp.sum(out(t) * g)))(batch)
+    for row, tt in zip(rows, batch, strict=True):
+        expected = sdpa_array.scaled_dot_product_attention_vjp(
+            q, k, v, g, score_mod=mods.temperature(tt), return_mod_gradients=True
+        )[-1]
+        np.testing.assert_allclose(row, expected, rtol=0, atol=1e-12)
+
+
+def test_torch_blocked_refuses_undeclared_data_when_only_mods_need_grad(torch_backend):
+    """A temperature that requires grad beside ALiBi slopes of another library (NumPy):
+    the wrapper cannot take them both as inputs, so the call goes where torch
+    differentiates it whole even when no input requires grad (``"auto"``: the materialized
+    kernel, correct gradient) and an explicit ``"blocked"`` refuses, rather than torch
+    differentiating every tile (``O(L · S)`` memory)."""
+    import torch
+
+    q, k, v, g = (torch_backend.asarray(a, "float64") for a in _arrays(seed=14))
+    slopes = _parameter("alibi")
+    t = torch_backend.asarray(_parameter("temperature"), "float64").requires_grad_(True)
+    kw = {"score_mod": mods.temperature(t), "bias_mod": mods.alibi(slopes), "is_causal": True}
+    (sdpa_array.scaled_dot_product_attention(q, k, v, block_q=4, **kw) * g).sum().backward()
+    expected = sdpa_array.scaled_dot_product_attention_vjp(
+        q, k, v, g, score_mod=mods.temperature(t.detach()),
+        bias_mod=mods.alibi(torch_backend.asarray(slopes, "float64")),
+        is_causal=True, return_mod_gradients=True,
+    )[3]  # fmt: skip
+    torch.testing.assert_close(t.grad, expected, rtol=0, atol=1e-12)
+    with pytest.raises(TypeError, match="require grad"):
+        sdpa_array.scaled_dot_product_attention(q, k, v, implementation="blocked", **kw)
 
 
 class _HeadBias:
@@ -363,6 +447,15 @@ def test_sums_in_blocks_of_rows_equal_one_block(monkeypatch):
     np.testing.assert_allclose(blocks, expected, rtol=1e-13, atol=1e-13)
 
 
+class _ParametersOnly:
+    """A bias function with ``parameters`` and no ``parameter_cotangents``."""
+
+    parameters = (np.ones(H),)
+
+    def __call__(self, b, h, i, j):
+        return 0.0 * (i - j)
+
+
 BAD_REQUESTS = [
     ({}, TypeError, r"needs a score_mod or bias_mod with trainable .* got no score_mod or bias"),
     (
@@ -376,6 +469,21 @@ BAD_REQUESTS = [
         r"with trainable parameters .* got score_mod tanh_softcap\(2.0\)",
     ),
     ({"bias_mod": mods.alibi(np.ones(H)), "return_mod_gradients": 1}, TypeError, r"bool"),
+    (  # beside a trainable score function, its gradients would silently be left out
+        {"score_mod": mods.temperature(np.ones(H)), "bias_mod": _ParametersOnly()},
+        TypeError,
+        r"bias_mod .* has 'parameters' but no 'parameter_cotangents'",
+    ),
+    (
+        {"bias_mod": mods.alibi(np.ones(H - 1))},
+        ValueError,
+        r"bias_mod alibi.* holds data for 3 query heads, but the call has 4",
+    ),
+    (
+        {"score_mod": mods.temperature(np.ones(H - 1))},
+        ValueError,
+        r"score_mod temperature.* holds data for 3 query heads, but the call has 4",
+    ),
 ]
 
 

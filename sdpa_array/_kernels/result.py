@@ -175,5 +175,7 @@ def finish_gradients(p: Problem, x: Inputs, raw: RawGrads) -> tuple[Array, ...]:
         )
         for g, a in zip(tables, parameters, strict=True):  # on the parameter's device
             g = xp.astype(g, a.dtype)
-            grads.append(g if device(g) == device(a) else xp.asarray(g, device=device(a)))
+            here, there = device(g), device(a)  # None: a batched tracer (jax.vmap)
+            same = here is None or there is None or here == there
+            grads.append(g if same else xp.asarray(g, device=there))
     return tuple(grads)

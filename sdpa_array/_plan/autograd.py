@@ -18,7 +18,9 @@ log-sum-exp nor the kernel's backward.
   compositions work. The backward kernel is written with differentiable torch operations
   and changes no tensor that takes part in autograd in place, so when a graph is being
   created (``create_graph=True``, ``torch.func.grad`` of a gradient) the gradients are
-  themselves differentiable: double backward is exact. A fused kernel's backward (the
+  themselves differentiable: double backward is exact. Forward mode through the wrapper
+  (``torch.func.hessian`` of a loss of the call) raises torch's ``NotImplementedError``
+  (no ``jvp``); the materialized implementation supports it. A fused kernel's backward (the
   Triton one) builds no graph: then the blocked backward kernel runs instead.
 * JAX: a ``jax.custom_vjp``, which works under ``jit``, ``vmap`` and ``grad`` (reverse
   mode, to any order). A ``custom_vjp`` has no forward mode: under ``jax.jvp`` or
@@ -80,7 +82,8 @@ def _forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> Attenti
         library = namespace_name(p.xp)
         if library == "torch":
             params = _trainable_parameters(p, _torch_trainable)
-            if _torch_grad_enabled() and (_torch_needs_grad(x) or params):
+            needs = _torch_needs_grad(x) or params or _mods_hold(p, _torch_trainable, params)
+            if _torch_grad_enabled() and needs:
                 backward = _torch_backward_choice(choice, p, x, outputs.lse)
                 if backward is not None and _mods_hold(p, _torch_trainable, params):
                     return _materialized_instead(choice, p, x, outputs)
@@ -88,7 +91,7 @@ def _forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> Attenti
                     return _torch_forward(choice, backward, p, x, outputs, params)
         if library == "jax" and choice.row.own_autograd:
             params = _trainable_parameters(p, _jax_tracer, rebuilt=True)
-            if _jax_traced(x) or params:
+            if _jax_traced(x) or params or _mods_hold(p, _jax_tracer, params):
                 return _jax_forward(choice, p, x, outputs, params)
     return choice.forward(p, x, outputs)
 
@@ -336,7 +339,10 @@ def _torch_function() -> Any:
             *params: Any,
         ) -> tuple[Any, ...]:
             x = Inputs(query, key, value, mask, bias, scale, sinks)
-            return _out_and_lse(choice, _with_scale(p, scale), x, maxima)
+            # the mods hold the tensors given here (functorch wraps them per level)
+            trained = _with_parameters(_with_scale(p, scale), params)
+            trained = dataclasses.replace(trained, mod_gradients=p.mod_gradients)
+            return _out_and_lse(choice, trained, x, maxima)
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:

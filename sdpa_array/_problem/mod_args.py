@@ -36,6 +36,18 @@ def _check_block_mask(bm: BlockMask, batch: int, heads: int, L: int, S: int) -> 
         raise ValueError("mask_mod is a BlockMask made for other sizes: " + ", ".join(problems))
 
 
+def _check_head_rows(named: tuple[tuple[str, Any], ...], heads: int) -> None:
+    """``ValueError`` for a ready-made mod whose per-head data (``head_rows``: ALiBi's
+    slopes, T5's table, the temperatures) covers fewer than the call's ``heads`` query
+    heads (a gather past its end would raise inside a kernel, or give NaN in JAX)."""
+    for name, mod in named:
+        rows = getattr(mod, "head_rows", None)
+        if isinstance(rows, int) and rows < heads:
+            raise ValueError(
+                f"{name} {mod!r} holds data for {rows} query heads, but the call has {heads}"
+            )
+
+
 def check_mods(
     xp: ModuleType,
     device: Any,
@@ -66,6 +78,7 @@ def check_mods(
             raise TypeError(f"{name} must be a {kind} function, got a BlockMask (a mask_mod)")
     if mask_mod is None and bias_mod is None and score_mod is None:
         return mask_mod, bias_mod, score_mod
+    _check_head_rows(named, math.prod(heads))
     probe = index_grid(xp, device, (1,) * len(seq), (1,) * len(heads), slice(0, 1), slice(0, 1))
     shape = (1,) * (len(batch_shape) + 2)
     for name, mod in named[:2]:

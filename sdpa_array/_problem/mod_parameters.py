@@ -73,12 +73,20 @@ def declared_parameters(score_mod: Any, bias_mod: Any) -> tuple[Any, ...]:
 
 def check_mod_gradients(xp: ModuleType, score_mod: Any, bias_mod: Any) -> tuple[Any, ...]:
     """The parameters of ``score_mod`` and ``bias_mod`` whose gradients are asked for
-    (:func:`declared_parameters`); ``TypeError`` before any work where neither has any, or
-    one holds arrays that are not real floating arrays of the inputs' namespace ``xp``
+    (:func:`declared_parameters`); ``TypeError`` before any work where neither has any, one
+    has ``parameters`` without ``parameter_cotangents`` (its gradients would be left out),
+    or one holds arrays that are not real floating arrays of the inputs' namespace ``xp``
     (their gradients are returned in it)."""
+    pairs = (("score_mod", score_mod), ("bias_mod", bias_mod))
+    for name, mod in pairs:
+        if hasattr(mod, "parameters") and not has_parameters(mod):
+            raise TypeError(
+                f"return_mod_gradients=True: {name} {mod!r} has 'parameters' but no "
+                "'parameter_cotangents' method, so its parameters' gradients cannot be "
+                "computed"
+            )
     trainable = trainable_mods(score_mod, bias_mod)
     if not trainable:
-        pairs = (("score_mod", score_mod), ("bias_mod", bias_mod))
         given = [f"{n} {m!r}" for n, m in pairs if m is not None]
         what = " and ".join(given) or "no score_mod or bias_mod"
         raise TypeError(

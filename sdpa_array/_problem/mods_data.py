@@ -160,7 +160,8 @@ class Captured:
                 here, there = device(self.value), device(index)
             except Exception:  # tracers may have no device: use the data as it is
                 return self.value
-            return self.value if here == there else xp.asarray(self.value, device=there)
+            same = here is None or there is None or here == there  # None: a batched tracer
+            return self.value if same else xp.asarray(self.value, device=there)
         return xp.asarray(self.host(namespace_name(xp)), device=device(index))
 
     def flat(self, xp: ModuleType, index: Any) -> Any:
@@ -312,6 +313,11 @@ class AlibiMod(NamedMod):
         distance = xp.astype(-xp.abs(q_idx - kv_idx), slopes.dtype)  # -0 would be -0.0
         return slopes * distance
 
+    @property
+    def head_rows(self) -> int:
+        """How many query heads the slopes cover (checked against the call's)."""
+        return self.slopes.shape[0]
+
     def in_dtype(self, dtype: Any) -> AlibiInDtype:
         """The same bias computed in ``dtype`` (the kernels' compute dtype)."""
         return AlibiInDtype(self, dtype)
@@ -380,6 +386,11 @@ class RelativePositionBiasMod(NamedMod):
             f"table={self.table!r}, num_buckets={self.num_buckets}, "
             f"max_distance={self.max_distance}, bidirectional={self.bidirectional}"
         )
+
+    @property
+    def head_rows(self) -> int:
+        """How many query heads the table covers (checked against the call's)."""
+        return self.table.shape[0]
 
     @property
     def parameters(self) -> tuple[Any, ...]:

@@ -94,6 +94,11 @@ class TemperatureScore(NamedMod):
         return 1.0 / self._per_head(score, head)
 
     @property
+    def head_rows(self) -> int:
+        """How many query heads the temperatures cover (checked against the call's)."""
+        return self.values.shape[0]
+
+    @property
     def parameters(self) -> tuple[Any, ...]:
         """The trainable temperatures (:mod:`~sdpa_array._problem.mod_parameters`)."""
         return (self.values.value,)
