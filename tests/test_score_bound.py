@@ -127,6 +127,39 @@ def test_norm_bound_holds(exponent, features, dtype, seed):
 
 
 @pytest.mark.parametrize(
+    "options",
+    [{}, {"scale": 0.3}, {"softcap": 2.5}, {"scale": 0.3, "softcap": 2.5}],
+    ids=["scale-in-query", "scale-on-tiles", "softcap", "scale-and-softcap"],
+)
+def test_scores_in_base2(options):
+    """The operands whose scores come out times ``log2(e)`` (what the fixed reference's
+    forward takes ``exp2`` of): the query carries the factor where it carries the scale,
+    the terms otherwise; the scores are the natural ones times ``log2(e)`` within a few
+    roundings, and their ``exp2`` is the natural ``exp``. A bias cannot carry it."""
+    from sdpa_array._kernels.operands import tile_scores
+    from sdpa_array._kernels.score_terms import LOG2E
+
+    q, k, v = _unit((1, 2, 16, 16))
+    p = validate(q, k, v, Options(**options))
+    ops = prepare(p, Inputs(q, k, v))
+    base2 = ops.in_base2()
+    rows, cols = slice(0, 16), slice(0, 16)
+    natural, _ = tile_scores(p, ops, ops.q, rows, cols)
+    scores, _ = tile_scores(p, base2, base2.q, rows, cols)
+    u = float(np.finfo(np.float32).eps) / 2
+    # the product's own error is the same on both sides; the factor adds at most 3 roundings
+    # of the query or the score, relative to |q| |k| |scale| log2(e)
+    bound = (16 + 6) * u * LOG2E * np.abs(ops.q) @ np.swapaxes(np.abs(ops.k), -1, -2)
+    bound *= abs(options.get("scale", 1.0)) if "scale" in options else 1.0
+    np.testing.assert_array_less(np.abs(scores - natural * LOG2E), bound + 1e-30)
+    weights = base2.terms.exp(p.xp, scores.copy())
+    np.testing.assert_allclose(weights, np.exp(natural), rtol=64 * u)
+    with_bias = prepare(p, Inputs(q, k, v, bias=np.zeros((16, 16), np.float32)))
+    with pytest.raises(ValueError, match="only the scale and the soft-cap"):
+        with_bias.in_base2()
+
+
+@pytest.mark.parametrize(
     "shapes",
     [((1, 1, 64, 4), (1, 1, 64, 4), (1, 1, 64, 0)), ((0, 2, 64, 4),) * 3],
     ids=["no-value-features", "empty-batch"],

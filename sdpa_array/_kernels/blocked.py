@@ -6,10 +6,15 @@ running maximum ``m``, a running sum ``l`` of ``exp(score - m)`` and a running o
 raises the maximum. Queries are processed in blocks too, so the largest temporary is one
 ``(block_q, block_k)`` score tile per batch element instead of the ``(L, S)`` score matrix.
 
+Where a bound read on the host keeps every score small (:func:`~.score_bound.fixed_reference`)
+the rows take a reference of 0 instead: no maxima, no rescaling; the scores then come out
+times ``log2(e)`` where the library has ``exp2`` (faster than ``exp`` on NumPy), whose
+``exp2`` is their ``exp`` (:meth:`~.operands.Operands.in_base2`).
+
 The tiles come from :func:`~sdpa_array._kernels.tiling.plan_blocks`, which skips the tiles
 the restrictions empty and marks the full ones (no mask built). Independent (batch slice,
 query block) items run through :func:`~sdpa_array._arrays.parallel.map_blocks`, the one
-place that knows which libraries run them concurrently.
+place that knows which libraries run them concurrently, costliest first.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import math
 
 from .._arrays import inplace, products
+from .._arrays.inplace import has_exp2
 from .._arrays.parallel import map_blocks
 from .._arrays.typing import Array
 from .._problem.outputs import Outputs
@@ -102,7 +108,7 @@ def _fixed_reference_tiles(
         r0, r1 = tile.rows or (block.start, block.stop)
         rows = slice(r0, r1)
         s, _ = tile_scores(p, ops, q[..., r0 - block.start : r1 - block.start, :], rows, cols)
-        e = inplace.exp(xp, s)
+        e = ops.terms.exp(xp, s)
         del s
         tile_total, tile_out = _tile_sums(p, ops, e, rows, cols)
         del e
@@ -193,9 +199,11 @@ def blocked_attention(
         max(1, tile_bytes(p) // p.itemsize // (bq * bk)),
         at_least=len(p.sequence_batch) if per_sequence else 0,
     )
-    slices = {index: ops.at(index) for index in outer}
     maxima = outputs.max_scores
     fixed = not maxima and not plans_for_gpu(p) and fixed_reference(p, ops)
+    if fixed and has_exp2(xp):  # exp2 of the scores times log2(e): faster than exp
+        ops = ops.in_base2()
+    slices = {index: ops.at(index) for index in outer}
     # with the fixed reference a tile may cover some of its block's rows (cut_rows)
     if per_sequence:  # each sequence skips the tiles its own lengths or segments exclude
         plans = {

@@ -19,6 +19,7 @@ every kernel, forward or backward, materialized or blocked, goes through it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from .layout import (
 )
 from .mod_terms import mod_bias, mod_mask, mod_score
 from .restrictions import DenseMask, Restrictions
-from .score_terms import ModInput, ScoreTerms
+from .score_terms import LOG2E, ModInput, ScoreTerms
 from .sequences import sequence_members
 
 __all__ = [
@@ -86,6 +87,15 @@ class Operands:
             restrictions=self.restrictions.at(index),
             dropout=None if self.dropout is None else self.dropout.at(index),
         )
+
+    def in_base2(self) -> Operands:
+        """The operands whose final scores come out times ``log2(e)``
+        (:meth:`ScoreTerms.in_base2`, for a forward softmax taken with ``exp2``): the query
+        carries the factor where it carries the scale (one more rounding of each query
+        element), the terms do otherwise."""
+        terms = self.terms.in_base2()
+        q = self.q * LOG2E if terms.scale_in_query else self.q
+        return dataclasses.replace(self, q=q, terms=terms)
 
 
 def prepare_rows(p: Problem, x: Array, *, features: bool = True) -> Array:

@@ -16,7 +16,7 @@ backward kernels pick them up together.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 
 from .._arrays import inplace
@@ -24,7 +24,10 @@ from .._arrays.slicing import at_batch, tile_of
 from .._arrays.typing import Array
 from .mod_terms import ModBias, ModScore
 
-__all__ = ["ModInput", "ScoreTerms"]
+__all__ = ["LOG2E", "ModInput", "ScoreTerms"]
+
+#: ``log2(e)``: scores times it have ``exp2`` equal to their ``exp``.
+LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,9 @@ class ScoreTerms:
         The caller's ``bias_mod``, added where ``bias`` is.
     score_mod : ModScore or None
         The caller's ``score_mod``, applied to the scaled scores before the softcap.
+    unit : float
+        What the final scores are multiplied by: 1, or ``log2(e)`` for a softmax taken
+        with ``exp2`` (:meth:`in_base2`). The sink stays in natural units.
     """
 
     scale: float | Array
@@ -74,6 +80,7 @@ class ScoreTerms:
     sink: Array = None
     bias_mod: ModBias | None = None
     score_mod: ModScore | None = None
+    unit: float = 1.0
 
     @property
     def scale_in_query(self) -> bool:
@@ -102,6 +109,15 @@ class ScoreTerms:
         terms = (self.score_mod, self.softcap, self.bias, self.bias_mod)
         return any(t is not None for t in terms)
 
+    def in_base2(self) -> ScoreTerms:
+        """The same terms giving the scores times ``log2(e)``, whose ``exp2`` is the
+        scores' ``exp`` (the scale, or the soft-cap's multiplier, carries the factor; with
+        :attr:`scale_in_query` the query must: :meth:`Operands.in_base2`). Only for the
+        scale and the soft-cap: a bias or a function would need the factor too."""
+        if self.bias is not None or self.bias_mod is not None or self.score_mod is not None:
+            raise ValueError("in_base2: only the scale and the soft-cap carry log2(e)")
+        return replace(self, unit=LOG2E)
+
     def scaled(self, raw: Array) -> Array:
         """``scale · q kᵀ`` of a tile from its raw product, as a new array (:meth:`apply`
         may overwrite ``raw``)."""
@@ -119,7 +135,13 @@ class ScoreTerms:
             at_batch(self.sink, index),
             None if self.bias_mod is None else self.bias_mod.at(index),
             None if self.score_mod is None else self.score_mod.at(index),
+            self.unit,
         )
+
+    def exp(self, xp: ModuleType, s: Array) -> Array:
+        """The exponential of scores in their :attr:`unit` (``exp2`` after
+        :meth:`in_base2`), written into ``s`` where allowed: the scores' ``exp``."""
+        return inplace.exp(xp, s) if self.unit == 1.0 else inplace.exp2(xp, s)
 
     def row_max(self, xp: ModuleType, tile_max: Array) -> Array:
         """The reference to subtract before ``exp``: the rows' maximum score ``(..., 1)``,
@@ -171,9 +193,9 @@ class ScoreTerms:
             t = xp.tanh(raw * (self.scale / self.softcap))
             if need_factor:
                 factor = (1.0 - t * t) * self.scale
-            s = t * self.softcap
+            s = t * (self.softcap * self.unit)
         elif not self.scale_in_query:
-            s = inplace.multiply(raw, self.scale)
+            s = inplace.multiply(raw, self.scale * self.unit)
             if need_factor:
                 factor = self.scale
         b = tile_of(self.bias, rows, cols)
