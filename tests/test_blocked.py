@@ -306,7 +306,7 @@ def test_blocked_computes_only_the_planned_tiles(monkeypatch):
         return formed_tile
 
     # the online softmax and the fixed reference (score_bound) form tiles through these
-    for name in ("tile_scores_and_maxima", "tile_scores"):
+    for name in ("tile_scores_and_maxima", "fixed_weights"):
         monkeypatch.setattr(blocked, name, counting(getattr(blocked, name)))
     rng = np.random.default_rng(14)
     q, k, v = randn(rng, 3, 40, 4), randn(rng, 3, 40, 4), randn(rng, 3, 40, 4)

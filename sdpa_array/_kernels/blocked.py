@@ -29,7 +29,7 @@ from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .layout import broadcast_if_needed, concat, ungroup
 from .materialized import materialized_attention
-from .operands import Operands, prepare, tile_scores, tile_scores_and_maxima
+from .operands import Operands, fixed_weights, prepare, tile_scores_and_maxima
 from .result import AttentionResult
 from .score_bound import fixed_reference
 from .softmax import exp_shift, log_sum_exp, row_sum, safe_reciprocal
@@ -107,9 +107,8 @@ def _fixed_reference_tiles(
         cols = slice(tile.start, tile.stop)
         r0, r1 = tile.rows or (block.start, block.stop)
         rows = slice(r0, r1)
-        s, _ = tile_scores(p, ops, q[..., r0 - block.start : r1 - block.start, :], rows, cols)
-        e = ops.terms.exp(xp, s)
-        del s
+        q_rows = q[..., r0 - block.start : r1 - block.start, :]
+        e = fixed_weights(p, ops, q_rows, rows, cols, full=tile.full)
         tile_total, tile_out = _tile_sums(p, ops, e, rows, cols)
         del e
         if acc is None and tile.rows is not None:  # rows no tile reaches keep zeros

@@ -43,6 +43,7 @@ from .sequences import sequence_members
 __all__ = [
     "Operands",
     "backward_tile_scores",
+    "fixed_weights",
     "kernel_scale",
     "prepare",
     "prepare_rows",
@@ -218,6 +219,39 @@ def tile_scores_and_maxima(
     return s, p.xp.max(s, axis=-1, keepdims=True), best
 
 
+def fixed_weights(
+    p: Problem, ops: Operands, q_rows: Array, rows: slice, cols: slice, *, full: bool = False
+) -> Array:
+    """The weights ``exp(score)`` of the tile with a reference of 0 (only where
+    :func:`~.score_bound.fixed_reference` holds: every score, admissible or not, is
+    bounded), 0 where excluded: the restrictions are applied to the weights, after the
+    exponential of the scores in their unit (:meth:`ScoreTerms.exp`; NumPy's ``exp2``
+    takes a slow path on ``-inf``). ``full``: the plan found every pair admissible, so the
+    restrictions are not asked."""
+    xp = p.xp
+    raw = xp.matmul(q_rows, xp.matrix_transpose(ops.k[..., cols, :]))
+    s, _, _ = ops.terms.apply(xp, raw, rows, cols)
+    e = ops.terms.exp(xp, s)
+    return e if full else _excluded(p, ops, rows, cols, (e,), 0.0)[0]
+
+
+def _excluded(
+    p: Problem, ops: Operands, rows: slice, cols: slice, tiles: tuple[Array, ...], fill: float
+) -> tuple[Array, ...]:
+    """``tiles`` (of the tile's shape) with ``fill`` where the restrictions exclude a pair;
+    columns that every query of the tile may attend are left as they are."""
+    xp = p.xp
+    masked = ops.restrictions.partial_columns(rows, cols)
+    if masked.start >= masked.stop:
+        return tiles
+    allowed = ops.restrictions.tile_mask(xp, p.device, rows, masked)
+    if allowed is None:
+        return tiles
+    within = slice(masked.start - cols.start, masked.stop - cols.start)
+    value = xp.asarray(fill, dtype=tiles[0].dtype, device=p.device)
+    return tuple(inplace.where_columns(xp, t, within, allowed, value) for t in tiles)
+
+
 def _tile(
     p: Problem,
     ops: Operands,
@@ -232,17 +266,10 @@ def _tile(
     raw = xp.matmul(q_rows, xp.matrix_transpose(ops.k[..., cols, :]))
     scaled = ops.terms.scaled(raw) if maxima and ops.terms.changes_scores else None
     s, factor, kept = ops.terms.apply(xp, raw, rows, cols, need_factor=need_factor)
-    # columns that every query of the tile may attend keep their scores without a mask
-    masked = ops.restrictions.partial_columns(rows, cols)
-    allowed = None
-    if masked.start < masked.stop:
-        allowed = ops.restrictions.tile_mask(xp, p.device, rows, masked)
-    if allowed is not None:
-        excluded = xp.asarray(-math.inf, dtype=s.dtype, device=p.device)
-        within = slice(masked.start - cols.start, masked.stop - cols.start)
-        s = inplace.where_columns(xp, s, within, allowed, excluded)
-        if scaled is not None:
-            scaled = inplace.where_columns(xp, scaled, within, allowed, excluded)
+    if scaled is None:
+        (s,) = _excluded(p, ops, rows, cols, (s,), -math.inf)
+    else:
+        s, scaled = _excluded(p, ops, rows, cols, (s, scaled), -math.inf)
     row_maxima = None
     if maxima:
         row_maxima = xp.max(s if scaled is None else scaled, axis=-1, keepdims=True)
