@@ -104,7 +104,7 @@ def test_tiny_rows_do_not_hide_large_scores():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    exponent=st.integers(-45, 38),
+    exponent=st.integers(-45, 36),  # float32 holds 1e36 times a normal draw
     features=st.integers(1, 300),
     dtype=st.sampled_from(["float32", "float64"]),
     seed=st.integers(0, 2**16),
