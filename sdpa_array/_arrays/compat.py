@@ -27,6 +27,7 @@ __all__ = [
     "array_namespace",
     "device",
     "host_values",
+    "in_library",
     "is_array_api_obj",
     "is_dask_array",
     "is_jax_namespace",
@@ -34,6 +35,7 @@ __all__ = [
     "known_value",
     "namespace_name",
     "numpy_namespace",
+    "on_device_of",
     "on_gpu",
     "plain_signature",
     "stop_gradient",
@@ -83,6 +85,27 @@ def namespace_name(xp: ModuleType) -> str:
     """Short library name of a namespace, for messages (``'numpy'``, ``'torch'``...)."""
     name = xp.__name__.removeprefix("array_api_compat.")
     return name.split(".")[0]
+
+
+def in_library(xp: ModuleType, a: Any) -> bool:
+    """Whether ``a`` is an array of the namespace ``xp``'s library (``False`` for
+    anything that is not an array)."""
+    try:
+        return namespace_name(array_namespace({"array": a})) == namespace_name(xp)
+    except TypeError:  # not an array
+        return False
+
+
+def on_device_of(xp: ModuleType, x: Any, target: Any) -> Any:
+    """``x`` (an array of ``xp``) on ``target``'s device: moved only where both devices
+    are known and differ. A tracer may have no device, or ``None`` (a batched tracer under
+    ``jax.vmap``): then ``x`` is used as it is."""
+    try:
+        here, there = device(x), device(target)
+    except Exception:
+        return x
+    same = here is None or there is None or here == there
+    return x if same else xp.asarray(x, device=there)
 
 
 def on_gpu(x: Any) -> bool:

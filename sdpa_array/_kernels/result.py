@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .._arrays.compat import device
+from .._arrays.compat import on_device_of
 from .._arrays.typing import Array
 from .._problem.mod_parameters import declared_parameters
 from .._problem.outputs import Outputs
@@ -174,8 +174,5 @@ def finish_gradients(p: Problem, x: Inputs, raw: RawGrads) -> tuple[Array, ...]:
             xp.zeros(a.shape, dtype=p.compute_dtype, device=p.device) for a in parameters
         )
         for g, a in zip(tables, parameters, strict=True):  # on the parameter's device
-            g = xp.astype(g, a.dtype)
-            here, there = device(g), device(a)  # None: a batched tracer (jax.vmap)
-            same = here is None or there is None or here == there
-            grads.append(g if same else xp.asarray(g, device=there))
+            grads.append(on_device_of(xp, xp.astype(g, a.dtype), a))
     return tuple(grads)

@@ -50,7 +50,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from .._arrays.compat import array_namespace, namespace_name
+from .._arrays.compat import in_library, namespace_name
 from .._arrays.typing import Array
 from .._kernels.native import Request, plan_native
 from .._kernels.result import AttentionResult, finish_gradients
@@ -109,17 +109,9 @@ def _trainable_parameters(
     if rebuilt and not all(hasattr(mod, "with_parameters") for _, mod in trainable):
         return ()
     params = declared_parameters(p.score_mod, p.bias_mod)
-    if not all(_of_library(p, a) for a in params):  # then the library differentiates whole
+    if not all(in_library(p.xp, a) for a in params):  # the library differentiates whole
         return ()
     return params if any(autodiff_array(a) for a in params) else ()
-
-
-def _of_library(p: Problem, a: Any) -> bool:
-    """Whether ``a`` is an array of the inputs' library (a wrapper input)."""
-    try:
-        return namespace_name(array_namespace({"parameter": a})) == namespace_name(p.xp)
-    except TypeError:
-        return False
 
 
 def _torch_grad_enabled() -> bool:

@@ -35,7 +35,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from .._arrays.compat import array_namespace, device, namespace_name
+from .._arrays.compat import device, in_library, namespace_name
 
 __all__ = [
     "BUCKET_CHUNK",
@@ -97,11 +97,7 @@ def check_mod_gradients(xp: ModuleType, score_mod: Any, bias_mod: Any) -> tuple[
         )
     for name, mod in trainable:
         for i, a in enumerate(tuple(mod.parameters)):
-            try:
-                same = namespace_name(array_namespace({"parameter": a})) == namespace_name(xp)
-            except TypeError:  # not an array
-                same = False
-            if not same or not xp.isdtype(a.dtype, "real floating"):
+            if not in_library(xp, a) or not xp.isdtype(a.dtype, "real floating"):
                 raise TypeError(
                     f"return_mod_gradients=True: {name}'s parameter {i} must be a real "
                     f"floating array of the inputs' library ({namespace_name(xp)}), got "

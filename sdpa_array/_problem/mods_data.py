@@ -26,6 +26,7 @@ from sdpa_array._arrays.compat import (
     host_values,
     is_array_api_obj,
     namespace_name,
+    on_device_of,
 )
 
 from .._arrays import inplace
@@ -156,12 +157,7 @@ class Captured:
     def like(self, xp: ModuleType, index: Any) -> Any:
         """The data as an array of ``xp`` on the device of ``index``."""
         if namespace_name(xp) == self.library:
-            try:
-                here, there = device(self.value), device(index)
-            except Exception:  # tracers may have no device: use the data as it is
-                return self.value
-            same = here is None or there is None or here == there  # None: a batched tracer
-            return self.value if same else xp.asarray(self.value, device=there)
+            return on_device_of(xp, self.value, index)
         return xp.asarray(self.host(namespace_name(xp)), device=device(index))
 
     def flat(self, xp: ModuleType, index: Any) -> Any:
