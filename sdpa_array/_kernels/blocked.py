@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 from .._arrays import inplace, products
-from .._arrays.inplace import has_exp2
 from .._arrays.parallel import map_blocks
 from .._arrays.typing import Array
 from .._problem.outputs import Outputs
@@ -200,7 +199,7 @@ def blocked_attention(
     )
     maxima = outputs.max_scores
     fixed = not maxima and not plans_for_gpu(p) and fixed_reference(p, ops)
-    if fixed and has_exp2(xp):  # exp2 of the scores times log2(e): faster than exp
+    if fixed and inplace.has_exp2(xp):  # exp2 of the scores times log2(e): faster than exp
         ops = ops.in_base2()
     slices = {index: ops.at(index) for index in outer}
     # with the fixed reference a tile may cover some of its block's rows (cut_rows)
