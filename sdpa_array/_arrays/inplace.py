@@ -9,7 +9,8 @@ nor can a tensor combined with one that a
 ``torch.func`` transform wraps (under ``vmap`` the other operand may hold more elements than
 it shows), and a read-only NumPy array cannot be.
 The kernels call :func:`add`, :func:`add_rows`, :func:`subtract`, :func:`multiply`,
-:func:`exp`, :func:`exp2` and :func:`where_columns` on arrays they created themselves.
+:func:`exp`, :func:`exp2` and :func:`where_columns` on arrays they created themselves, and
+:func:`fillable` for a result they fill block by block.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import sys
 from types import ModuleType
 
 import numpy as np
-from array_api_compat import is_numpy_array, is_torch_array, is_writeable_array
+from array_api_compat import is_dask_array, is_numpy_array, is_torch_array, is_writeable_array
 
 from .typing import Array
 
-__all__ = ["add", "add_rows", "exp", "multiply", "subtract", "where_columns"]
+__all__ = ["add", "add_rows", "exp", "fillable", "multiply", "subtract", "where_columns"]
 
 
 def _functorch_wrapped(a: Array) -> bool:
@@ -158,3 +159,18 @@ def where_columns(xp: ModuleType, x: Array, cols: slice, cond: Array, fill: Arra
     pieces = [x[..., : cols.start], part, x[..., cols.stop :]]
     shaped = [xp.broadcast_to(a, (*lead, int(a.shape[-1]))) for a in pieces]
     return xp.concat(shaped, axis=-1)
+
+
+def fillable(
+    xp: ModuleType, shape: tuple[int, ...], dtype: object, device: object, *operands: Array
+) -> Array | None:
+    """A new uninitialised array of ``shape`` that the kernels may fill through indexing
+    with values computed from ``operands``, or ``None`` where that is not allowed (the
+    rules of :func:`add`) or not worth it: JAX arrays are immutable, and a Dask array's
+    assignment only adds tasks to its graph."""
+    if any(_functorch_wrapped(x) or getattr(x, "requires_grad", False) for x in operands):
+        return None
+    if any(is_dask_array(x) for x in operands):
+        return None
+    out = xp.empty(shape, dtype=dtype, device=device)
+    return out if is_writeable_array(out) else None

@@ -20,6 +20,7 @@ place that knows which libraries run them concurrently, costliest first.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from .._arrays import inplace, products
 from .._arrays.parallel import map_blocks
@@ -213,25 +214,37 @@ def blocked_attention(
         plans = dict.fromkeys(outer, shared)
     items = [(index, block) for index in outer for block in plans[index]]
     inner = batch[split:]
-    results = map_blocks(
-        xp,
-        lambda item: _query_block(p, slices[item[0]], inner, item[1], maxima, fixed),
-        items,
-        [block_scores(block) for _, block in items],
-    )
+    # where the library allows, each item writes its rows into the results (no assembly)
+    filled = _Filled.make(p, ops, batch, outputs.lse, maxima)
+
+    def run(item: tuple[tuple[int, ...], QueryBlock]) -> tuple[Array, Array, Array] | None:
+        index, block = item
+        result = _query_block(p, slices[index], inner, block, maxima, fixed)
+        if filled is None:
+            return result
+        filled.put(index, block, result)
+        return None
+
+    results = map_blocks(xp, run, items, [block_scores(block) for _, block in items])
+    if filled is not None:
+        return AttentionResult(
+            out=ungroup(p, filled.out),
+            lse=_rows(p, filled.lse),
+            row_maxima=_rows(p, filled.best),
+        )
 
     outs, lses, bests = [], [], []
     n_blocks = len(plans[outer[0]])  # every plan covers [0, L) with the same query blocks
     for i in range(len(outer)):
         mine = results[i * n_blocks : (i + 1) * n_blocks]
-        outs.append(concat(xp, [r[0] for r in mine], axis=-2))
-        lses.append(concat(xp, [r[1] for r in mine], axis=-1))
+        outs.append(concat(xp, [r[0] for r in mine], axis=-2))  # type: ignore[index]
+        lses.append(concat(xp, [r[1] for r in mine], axis=-1))  # type: ignore[index]
         if maxima:
-            bests.append(concat(xp, [r[2] for r in mine], axis=-1))
+            bests.append(concat(xp, [r[2] for r in mine], axis=-1))  # type: ignore[index]
 
     def rows(parts: list[Array]) -> Array:
         whole = xp.reshape(xp.stack(parts), (*batch, p.L)) if split else parts[0]
-        return ungroup(p, whole[..., None])[..., 0]
+        return _rows(p, whole)
 
     out = xp.reshape(xp.stack(outs), (*batch, p.L, p.Ev)) if split else outs[0]
     return AttentionResult(
@@ -239,3 +252,48 @@ def blocked_attention(
         lse=rows(lses) if outputs.lse else None,
         row_maxima=rows(bests) if maxima else None,
     )
+
+
+def _rows(p: Problem, x: Array) -> Array:
+    """Per-row results ``(*batch, L)`` back from the grouped layout (``None`` stays)."""
+    return None if x is None else ungroup(p, x[..., None])[..., 0]
+
+
+@dataclass(frozen=True)
+class _Filled:
+    """The call's results, filled in place by its query blocks
+    (:func:`~sdpa_array._arrays.inplace.fillable`): the output and, when asked for, the
+    log-sum-exp and the maximum scores."""
+
+    out: Array
+    lse: Array
+    best: Array
+
+    @classmethod
+    def make(
+        cls, p: Problem, ops: Operands, batch: tuple[int, ...], lse: bool, maxima: bool
+    ) -> _Filled | None:
+        xp, dtype, device = p.xp, p.compute_dtype, p.device
+        arrays = (ops.q, ops.k, ops.v)
+        out = inplace.fillable(xp, (*batch, p.L, p.Ev), dtype, device, *arrays)
+        if out is None:
+            return None
+        rows = (*batch, p.L)
+        return cls(
+            out=out,
+            lse=inplace.fillable(xp, rows, dtype, device, *arrays) if lse else None,
+            best=inplace.fillable(xp, rows, dtype, device, *arrays) if maxima else None,
+        )
+
+    def put(
+        self, index: tuple[int, ...], block: QueryBlock, result: tuple[Array, Array, Array]
+    ) -> None:
+        """Write one query block's results at the outer batch ``index``."""
+        at = (*index, Ellipsis, slice(block.start, block.stop))
+        whole = (*at, slice(None))
+        out, lse, best = result
+        self.out[whole] = out
+        if self.lse is not None:
+            self.lse[at] = lse
+        if self.best is not None:
+            self.best[at] = best
