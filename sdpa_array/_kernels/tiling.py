@@ -214,6 +214,7 @@ def _tiles(
         if a >= b:
             a, b = rows.start, rows.stop
         m = _full_rows_from(r, a, b, cols) if kind is TileKind.PARTIAL else b
+        m = min(a + -(-(m - a) // BLOCK_ALIGN) * BLOCK_ALIGN, b)  # whole multiples of rows
         if b - m < BLOCK_ALIGN:  # too few full rows to be worth a tile of their own
             m = b
         if a < m:
@@ -254,8 +255,9 @@ def plan_blocks(
 
     Keys outside :meth:`Restrictions.key_range` of a query block are skipped. The
     reachable range is cut into the keys that every query of the block may attend
-    (:meth:`Restrictions.full_range`) and the partial bands on either side, so that as few
-    tiles as possible need a mask; each part is split into tiles of at most ``block_k``
+    (:meth:`Restrictions.full_range`, shrunk to whole multiples of ``block_k`` from the
+    range's start) and the partial bands on either side, so that as few tiles as possible
+    need a mask and none is a sliver; each part is split into tiles of at most ``block_k``
     keys, and tiles the restrictions classify as empty are dropped. With ``cut_rows`` a
     tile keeps only the block's rows that may attend its keys
     (:meth:`Restrictions.query_range`, :attr:`KeyTile.rows`).
@@ -273,6 +275,9 @@ def plan_blocks(
         full_lo, full_hi = r.full_range(rows.start, rows.stop)
         full_lo = min(max(full_lo, lo), hi)
         full_hi = max(min(full_hi, hi), full_lo)
+        # the full range shrunk to the grid of block_k from lo: no sliver tiles around it
+        full_lo = lo + -(-(full_lo - lo) // block_k) * block_k
+        full_hi = lo + (full_hi - lo) // block_k * block_k
         cuts = [lo, hi] if full_lo >= full_hi else [lo, full_lo, full_hi, hi]
         tiles = [
             t for a, b in itertools.pairwise(cuts) for t in _tiles(r, rows, a, b, block_k, cut_rows)
