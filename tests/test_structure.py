@@ -1,7 +1,8 @@
 """The package's layout keeps its promises: no import circle, small modules, no reaching
-into another module's private names.
+into another module's private names, no optional library loaded by ``import sdpa_array``.
 
-These read the source with :mod:`ast`; they import nothing of the package.
+These read the source with :mod:`ast` and import nothing of the package, except the last,
+which imports it in a child process.
 """
 
 from __future__ import annotations
@@ -91,3 +92,15 @@ def test_no_private_names_across_modules():
         if n.startswith("_") and n != "__version__"
     ]
     assert not offences, "\n".join(offences)
+
+
+def test_importing_the_package_loads_no_optional_library():
+    """``import sdpa_array`` loads none of the optional array libraries or Triton: a NumPy
+    user pays for none of them, and ``TRITON_INTERPRET`` may still be set afterwards."""
+    import subprocess
+    import sys
+
+    optional = ("triton", "torch", "jax", "cupy", "dask")
+    code = f"import sys, sdpa_array; print([m for m in {optional!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

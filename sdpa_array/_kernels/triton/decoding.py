@@ -16,8 +16,6 @@ from typing import Any
 from ..._arrays.merge import merge_attention_states
 from ..._arrays.typing import Array
 from .configs import feature_block, interpreting
-from .decode import decode_kernel
-from .launch import device_context
 from .operands import strided
 
 __all__ = ["MAX_DECODE_ROWS", "DecodeCall", "decode_reason", "decode_splits", "triton_decode"]
@@ -151,6 +149,9 @@ def triton_decode(xp: Any, call: DecodeCall) -> tuple[Array, Array]:
 def _launch(
     xp: Any, call: DecodeCall, out_parts: Array, lse_parts: Array, splits: int, chunk: int
 ) -> None:
+    from .decode import decode_kernel  # imports triton: only when a call launches it
+    from .launch import device_context
+
     q, kp, vp = call.query, call.key_pages, call.value_pages
     B, _, L, E = (int(n) for n in q.shape)
     Hkv, page, Ev = int(kp.shape[1]), int(kp.shape[2]), int(vp.shape[3])
