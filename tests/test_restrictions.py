@@ -8,6 +8,8 @@ conservative (partial where the data would allow more) but never wrong.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hypothesis.strategies as st
 import numpy as np
 from array_api_compat import numpy as xnp
@@ -197,3 +199,21 @@ def test_partial_columns_leave_out_only_full_columns(args, tile):
     assert grid[rows, kept].all()
     if r.classify(rows, cols) is TileKind.FULL:
         assert part.start == part.stop
+
+
+def test_band_plans_are_planned_once(monkeypatch):
+    """A plan of position bands only is kept: the same restrictions again (an equal new
+    object, as each call builds) take the kept plan, equal to a new one; a dense mask's
+    restrictions (arrays among them) are planned each time."""
+    from sdpa_array._kernels import tiling
+
+    band = Band(L=300, S=300, is_causal=True, left=40, right=None, offset=0)
+    first = plan_blocks(Restrictions((band,), 300, 300), 64, 32, cut_rows=True)
+    planned = []
+    monkeypatch.setattr(tiling, "_plan", lambda *a: planned.append(a) or [])
+    again = plan_blocks(Restrictions((dataclasses.replace(band),), 300, 300), 64, 32, cut_rows=True)
+    assert again == first
+    assert planned == []
+    mask = DenseMask(np.ones((300, 300), dtype=bool), 300)
+    plan_blocks(Restrictions((mask,), 300, 300), 64, 32)
+    assert len(planned) == 1

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .._problem.band import Band
 from .._problem.problem import Problem
 from .restrictions import Restrictions, TileKind
 
@@ -267,7 +269,25 @@ def plan_blocks(
     list of QueryBlock
         Covering queries ``[0, L)`` in order; together their tiles cover every admissible
         (query, key) pair exactly once.
+
+    Notes
+    -----
+    Plans of restrictions made of position bands only (causal, windows: frozen values, no
+    arrays) are kept (:func:`_band_plan`): a repeated call does not plan again.
     """
+    if all(isinstance(m, Band) for m in r.members):
+        return list(_band_plan(r, block_q, block_k, cut_rows))
+    return _plan(r, block_q, block_k, cut_rows)
+
+
+@functools.lru_cache(maxsize=128)
+def _band_plan(
+    r: Restrictions, block_q: int, block_k: int, cut_rows: bool
+) -> tuple[QueryBlock, ...]:
+    return tuple(_plan(r, block_q, block_k, cut_rows))
+
+
+def _plan(r: Restrictions, block_q: int, block_k: int, cut_rows: bool) -> list[QueryBlock]:
     blocks = []
     for q0 in range(0, r.L, block_q):
         rows = slice(q0, min(q0 + block_q, r.L))
