@@ -21,8 +21,14 @@ every L to 256 (128 stays 128).
    *Whole products*: ``(q kᵀ) v`` over the whole (L, S) matrix on the multi-threaded BLAS,
    the ``GEMM-bound`` column of ``python -m sdpa_array bench``. Our kernel also splits the
    products that sum over more than 128 keys (``sdpa_array._arrays.products``), the peers do
-   not: the fractions count that split as overhead.
-3. Causal speed-up: our non-causal time / our causal time, same shape.
+   not: the fractions count that split as overhead. *A limit*: the tile products / the same
+   tiles' fixed-reference softmax written as a plain NumPy loop (``exp2`` in place, row sums
+   as a product with ones, ``P V`` in our chunks), on the same pool: what a NumPy
+   implementation of our kernel reaches without the library's layers around the arithmetic.
+3. Causal speed-up: our non-causal time / our causal time, same shape. *A limit*: the same
+   ratio for the tile products alone, over the tiles of the non-causal and the causal plans
+   (rows cut as our calls cut them), which is all a kernel whose other work shrank with the
+   pairs would reach.
 4. and 5. VJP / torch's backward, 1x8x2048x64, without and with causal:
    :func:`sdpa_array.scaled_dot_product_attention_vjp` against torch's backward of its own
    kernel, its forward graph built untimed once (``make_backward_case`` of
@@ -35,7 +41,8 @@ every L to 256 (128 stays 128).
 6. torch via ``auto`` / torch called directly: torch tensors through
    :func:`sdpa_array.scaled_dot_product_attention` (delegated to torch's kernel) against
    torch's function, as throughput (torch's time / ours), at 1x8x1024x64 and at 1x8x128x64,
-   where the per-call validation and planning show (``--calls`` calls per candidate there).
+   where the per-call validation and planning show (``--calls`` calls per candidate there,
+   ``--calls-mid`` at 1024).
 
 torch's OpenMP workers spin for a while after each call and may slow the NumPy call after
 them; ``OMP_WAIT_POLICY=passive`` rules that out (the header says what was set). The
@@ -62,8 +69,14 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 import sdpa_array
 from sdpa_array._arrays.parallel import ENV_VAR, map_blocks
+from sdpa_array._arrays.products import matmul
 from sdpa_array._kernels.restrictions import Restrictions
-from sdpa_array._kernels.tiling import choose_block_sizes, plan_backward, plan_blocks
+from sdpa_array._kernels.tiling import (
+    block_scores,
+    choose_block_sizes,
+    plan_backward,
+    plan_blocks,
+)
 from sdpa_array._problem.options import Options
 from sdpa_array._problem.problem import validate
 from sdpa_array.lab.cli.bench import interleaved_times, make_inputs, torch_sdpa_peer, two_products
@@ -79,7 +92,14 @@ ROWS = [
     ("NumPy `auto` / torch's fused CPU kernel, throughput", "torch fwd", "ours fwd", "≥ 0.85"),
     ("GEMM-bound fraction (tile products alone / our call)", "fwd tiles", "ours fwd", "≥ 0.85"),
     ("GEMM-bound fraction, whole (L,S) products (`bench`)", "fwd (L,S)", "ours fwd", "-"),
+    (
+        "GEMM-bound fraction of the same tiles' softmax in plain NumPy (a limit)",
+        "fwd tiles",
+        "fwd loop",
+        "-",
+    ),
     ("causal speed-up over the same call without causal", "ours fwd", "ours causal", "≥ 1.8"),
+    ("causal speed-up of the tile products alone (a limit)", "fwd tiles", "fwd tiles causal", "-"),
     ("VJP / torch's backward time, non-causal", "ours VJP", "torch bwd", "≤ 1.2"),
     ("VJP / torch's backward time, causal", "ours VJP causal", "torch bwd causal", "≤ 1.2"),
     ("backward GEMM-bound limit (5 tile products / torch)", "bwd tiles", "torch bwd", "-"),
@@ -88,27 +108,60 @@ ROWS = [
 ]
 
 
-def _tiles_on_pool(work: Callable[[Any], Any], items: list[Any]) -> Callable[[], Any]:
-    """Run ``work`` on each item with the pool (and one-thread BLAS) of our NumPy calls."""
-    return lambda: map_blocks(np, work, items)
+def _tiles_on_pool(
+    work: Callable[[Any], Any], items: list[Any], costs: list[int] | None = None
+) -> Callable[[], Any]:
+    """Run ``work`` on each item with the pool (and one-thread BLAS) of our NumPy calls,
+    costliest first as they take our query blocks."""
+    return lambda: map_blocks(np, work, items, costs)
 
 
-def forward_tiles(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[Callable[[], Any], str]:
-    """The two products of every tile of our forward plan, and the tile size."""
-    p = validate(q, k, v, Options())
+def forward_tiles(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool = False, loop: bool = False
+) -> tuple[Callable[[], Any], str]:
+    """The two products of every tile of our forward plan (``plan_blocks`` with the rows cut
+    as our fixed-reference calls cut them), and the tile size. With ``loop``, the whole
+    fixed-reference softmax of a non-causal call in plain NumPy on the same tiles: ``exp2``
+    in place, row sums as a product with ones, ``P V`` in our chunks
+    (``sdpa_array._arrays.products.matmul``), the sums added and divided at the end: the
+    work of our kernel without its layers (validation, operands, score terms, in-place
+    checks)."""
+    p = validate(q, k, v, Options(is_causal=causal))
     bq, bk = choose_block_sizes(p)
-    blocks = plan_blocks(Restrictions((p.band,), p.L, p.S), bq, bk)
+    blocks = plan_blocks(Restrictions((p.band,), p.L, p.S), bq, bk, cut_rows=True)
     heads = [(b, h) for b in range(q.shape[0]) for h in range(q.shape[1])]
+    factor = np.float32(q.shape[-1] ** -0.5 * np.log2(np.e))
+    ones = np.ones((bk, 1), dtype=q.dtype)
 
     def work(item: Any) -> Any:
         (b, h), block = item
         rows, out = q[b, h, block.start : block.stop], None
         for t in block.tiles:
-            s = rows @ k[b, h, t.start : t.stop].T
+            r0, r1 = t.rows or (block.start, block.stop)
+            s = rows[r0 - block.start : r1 - block.start] @ k[b, h, t.start : t.stop].T
             out = s @ v[b, h, t.start : t.stop]
         return out
 
-    return _tiles_on_pool(work, [(bh, blk) for bh in heads for blk in blocks]), f"{bq}x{bk}"
+    def softmax(item: Any) -> Any:
+        (b, h), block = item
+        rows, acc, total = q[b, h, block.start : block.stop] * factor, None, None
+        for t in block.tiles:
+            e = rows @ k[b, h, t.start : t.stop].T
+            np.exp2(e, out=e)
+            part = matmul(np, e, v[b, h, t.start : t.stop], whole=p.S)
+            sums = e @ ones[: t.stop - t.start]
+            if acc is None:
+                acc, total = part, sums
+            else:
+                acc += part
+                total += sums
+        return acc / total
+
+    if loop and causal:
+        raise ValueError("the plain NumPy loop is the non-causal call's")
+    items = [(bh, blk) for bh in heads for blk in blocks]
+    costs = [block_scores(blk) for _, blk in items]
+    return _tiles_on_pool(softmax if loop else work, items, costs), f"{bq}x{bk}"
 
 
 def backward_tiles(q: Any, k: Any, v: Any, g: Any) -> tuple[Callable[[], Any], str]:
@@ -152,11 +205,15 @@ def build(args: argparse.Namespace) -> tuple[Candidates, dict[str, str], dict[st
         "torch fwd": lambda: torch_fwd(q, k, v),
         "ours causal": lambda: f(q, k, v, is_causal=True),
         "fwd tiles": fwd_tiles,
+        "fwd tiles causal": forward_tiles(q, k, v, causal=True)[0],
+        "fwd loop": forward_tiles(q, k, v, loop=True)[0],
         "fwd (L,S)": lambda: two_products(q, k, v),
     }
     shapes = dict.fromkeys(cands, f"1x8x{fwd}x64")
-    shapes["fwd tiles"] += f", {fwd_tile} tiles"
-    shapes["ours causal"] += "-causal"
+    for name in ("fwd tiles", "fwd tiles causal", "fwd loop"):
+        shapes[name] += f", {fwd_tile} tiles"
+    for name in ("ours causal", "fwd tiles causal"):
+        shapes[name] += "-causal"
     text = f"1x8x{bwd}x64"
     for name, impl, shape in [
         ("ours VJP", "auto", text),
@@ -172,7 +229,7 @@ def build(args: argparse.Namespace) -> tuple[Candidates, dict[str, str], dict[st
     shapes["bwd tiles"] = f"{text}, {tile} tiles"
     calls = dict.fromkeys(cands, 1)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    for suffix, length, n in [("", mid, 1), (" small", 128, args.calls)]:
+    for suffix, length, n in [("", mid, args.calls_mid), (" small", 128, args.calls)]:
         tq, tk, tv = make_inputs(get_backend("torch"), (1, 8, length, 64), "float32")
         route = sdpa_array.explain(tq, tk, tv).forward
         if route != "native":
@@ -260,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="NumPy, BLAS and torch threads")
     ap.add_argument("--quick", action="store_true", help="L = 256: a smoke test (seconds)")
     ap.add_argument("--calls", type=int, default=None, help="calls per round at L = 128")
+    ap.add_argument(
+        "--calls-mid", type=int, default=5, help="calls per round at L = 1024 (default 5)"
+    )
     args = ap.parse_args(argv)
     args.calls = args.calls or (5 if args.quick else 50)
     command = " ".join(
