@@ -34,6 +34,14 @@ def _functorch_wrapped(a: Array) -> bool:
     return bool(torch._C._functorch.is_functorch_wrapped_tensor(a))
 
 
+def _functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``) is running."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    return torch._C._functorch.maybe_current_level() is not None
+
+
 def _in_place(x: Array, y: Array) -> bool:
     """Whether ``x`` may take the result of ``x op y``: its shape holds it and it is writable."""
     xs, ys = tuple(x.shape), tuple(getattr(y, "shape", ()))
@@ -166,9 +174,12 @@ def fillable(
 ) -> Array | None:
     """A new uninitialised array of ``shape`` that the kernels may fill through indexing
     with values computed from ``operands``, or ``None`` where that is not allowed (the
-    rules of :func:`add`) or not worth it: JAX arrays are immutable, and a Dask array's
-    assignment only adds tasks to its graph."""
+    rules of :func:`add`; inside a ``torch.func`` transform any other value of the call, a
+    scale or a function's parameters, may be the transformed one) or not worth it: JAX
+    arrays are immutable, and a Dask array's assignment only adds tasks to its graph."""
     if any(_functorch_wrapped(x) or getattr(x, "requires_grad", False) for x in operands):
+        return None
+    if _functorch_active():
         return None
     if any(is_dask_array(x) for x in operands):
         return None
