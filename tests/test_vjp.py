@@ -613,3 +613,18 @@ def test_gradients_keep_the_input_dtypes(float64_backend):
     expected, bounds = vjp_oracle_and_bounds("float32", q64, k64, v64, g64, bias=b64)
     for name, x, e, b in zip(("dq", "dk", "dv", "dbias"), grads, expected, bounds, strict=True):
         assert_within(x, e, b, name)
+
+
+def test_blocked_vjp_sums_leave_their_parts_unchanged():
+    """The backward pass's partial sums: later parts add in place into a sum the first
+    addition made, never into a part (a tile's result, or a view of one)."""
+    from sdpa_array._kernels.vjp_blocked import _Acc, _add
+
+    parts = [np.full((3, 2), float(i + 1)) for i in range(4)]
+    kept = [x.copy() for x in parts]
+    acc = _Acc()
+    for x in parts:
+        _add(acc, "k", x)
+    np.testing.assert_array_equal(acc["k"], np.full((3, 2), 10.0))
+    for x, y in zip(parts, kept, strict=True):
+        np.testing.assert_array_equal(x, y)

@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._arrays import inplace
 from .._arrays.parallel import get_num_threads, map_blocks
 from .._arrays.slicing import tile_of
 from .._arrays.typing import Array
@@ -79,17 +80,33 @@ class _Sums:
     the position of each of the mods' parameters to its gradient so far.
     """
 
-    dq: dict[Any, Array] = field(default_factory=dict)
-    dk: dict[Any, Array] = field(default_factory=dict)
-    dv: dict[Any, Array] = field(default_factory=dict)
-    bias: dict[Any, Array] = field(default_factory=dict)
-    sink: dict[Any, Array] = field(default_factory=dict)
-    tables: dict[int, Array] = field(default_factory=dict)
+    dq: _Acc = field(default_factory=lambda: _Acc())
+    dk: _Acc = field(default_factory=lambda: _Acc())
+    dv: _Acc = field(default_factory=lambda: _Acc())
+    bias: _Acc = field(default_factory=lambda: _Acc())
+    sink: _Acc = field(default_factory=lambda: _Acc())
+    tables: _Acc = field(default_factory=lambda: _Acc())
 
 
-def _add(acc: dict[Any, Array], key: Any, x: Array) -> None:
-    """``acc[key] += x``, without touching ``x`` in place."""
-    acc[key] = x if key not in acc else acc[key] + x
+class _Acc(dict[Any, Array]):
+    """Sums by key, and the keys whose sum is an array made here (:func:`_add`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owned: set[Any] = set()
+
+
+def _add(acc: _Acc, key: Any, x: Array) -> None:
+    """``acc[key] += x``, without touching ``x`` in place: the first contribution is kept
+    as it is, the second makes the sum a new array, and later ones add into that array in
+    place where the library allows (:func:`~sdpa_array._arrays.inplace.add`)."""
+    if key not in acc:
+        acc[key] = x
+    elif key in acc.owned:
+        acc[key] = inplace.add(acc[key], x)
+    else:
+        acc[key] = acc[key] + x
+        acc.owned.add(key)
 
 
 def _grid_pieces(plan: BackwardPlan, a: int, b: int) -> list[tuple[int, slice]]:
