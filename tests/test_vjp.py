@@ -628,3 +628,21 @@ def test_blocked_vjp_sums_leave_their_parts_unchanged():
     np.testing.assert_array_equal(acc["k"], np.full((3, 2), 10.0))
     for x, y in zip(parts, kept, strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_blocked_vjp_assembles_the_same_with_and_without_filling(monkeypatch):
+    """dQ, dK and dV written block by block into new arrays (NumPy) equal the concatenated
+    ones (libraries that cannot write), bit for bit, with a skipped tile's zeros."""
+    from sdpa_array._kernels import vjp_blocked
+
+    rng = np.random.default_rng(3)
+    q, g = (rng.standard_normal((2, 3, 48, 16)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((2, 3, 80, 16)).astype(np.float32) for _ in range(2))
+    vjp = sdpa_array.scaled_dot_product_attention_vjp
+    opts = {"implementation": "blocked", "block_q": 16, "block_k": 16, "is_causal": True}
+    filled = vjp(q, k, v, g, **opts)
+    assert not filled[1][..., 48:, :].any()  # keys no query reaches: no tile, zeros
+    monkeypatch.setattr(vjp_blocked._Assembly, "rows_into", lambda *a: None)
+    concatenated = vjp(q, k, v, g, **opts)
+    for a, b in zip(filled, concatenated, strict=True):
+        np.testing.assert_array_equal(a, b)

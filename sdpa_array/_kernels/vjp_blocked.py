@@ -245,9 +245,37 @@ class _Assembly:
         g, S = self.plan.grid, self.p.S
         return [(c, min(c + g, S) - c) for c in range(0, S, g)]
 
+    def rows_into(
+        self, like: Array, pieces: Any, acc: dict[Any, Array], features: int, lead: int
+    ) -> Array | None:
+        """The pieces ``(key, start, stop)`` of each outer index (``pieces(index)``) of
+        ``acc`` written along the rows of one new array of ``like``'s shape (``lead``: the
+        axes it keeps before the rows; missing pieces are zeros), or ``None`` where the
+        library does not allow it (:func:`~sdpa_array._arrays.inplace.fillable`)."""
+        p, xp = self.p, self.p.xp
+        shape = (*tuple(like.shape)[:lead], int(like.shape[-2]), features)
+        out = inplace.fillable(xp, shape, p.compute_dtype, p.device, like, *acc.values())
+        if out is None:
+            return None
+        for index in _indices(tuple(like.shape[: self.split])):
+            for key, start, stop in pieces(index):
+                at = (*index, Ellipsis, slice(start, stop), slice(None))
+                piece = acc.get(key)
+                out[at] = 0.0 if piece is None else piece
+        return out
+
     def query(self, acc: dict[Any, Array], like: Array) -> Array:
         """``dQ`` in the padded query layout of the full batch."""
         blocks = self.plan.blocks
+        filled = self.rows_into(
+            like,
+            lambda index: [((index, b.start), b.start, b.stop) for b in blocks],
+            acc,
+            self.p.E,
+            -2,
+        )
+        if filled is not None:
+            return filled
         return self.stack(
             like,
             lambda index, shape: self.concat(
@@ -261,6 +289,11 @@ class _Assembly:
         """``dK`` or ``dV`` in ``like``'s padded shape (GQA: without the group axis)."""
         lead = -3 if self.p.grouped else -2
         grid = self._grid()
+        filled = self.rows_into(
+            like, lambda index: [((index, c), c, c + n) for c, n in grid], acc, features, lead
+        )
+        if filled is not None:
+            return filled
         return self.stack(
             like,
             lambda index, shape: self.concat(
