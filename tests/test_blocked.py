@@ -523,3 +523,23 @@ def test_where_columns_changes_only_its_columns(backend):
         fill = xp.asarray(-np.inf, dtype=xb.dtype)
         got = inplace.where_columns(xp, xb, slice(2, 5), backend.asarray(cond), fill)
         np.testing.assert_array_equal(reference.to_numpy(got), expected)
+
+
+def test_fillable_results_where_the_library_writes(backend, monkeypatch):
+    """``inplace.fillable`` gives a new array of the shape asked for where the library
+    writes through indexing, and ``None`` for JAX and Dask without allocating one."""
+    from sdpa_array._arrays import inplace
+
+    x = backend.asarray(np.ones((2, 3), dtype=np.float32), "float32")
+    xp = array_namespace({"x": x})
+    made = []
+    empty = xp.empty
+    monkeypatch.setattr(xp, "empty", lambda *a, **k: made.append(a) or empty(*a, **k))
+    out = inplace.fillable(xp, (4, 5), x.dtype, None, x)
+    if backend.library in ("jax", "dask"):
+        assert out is None
+        assert made == []
+    else:
+        assert tuple(out.shape) == (4, 5)
+        out[1:3, ...] = x[:, :1]
+        assert bool(xp.all(out[1:3, 0] == 1))

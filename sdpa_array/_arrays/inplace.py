@@ -19,7 +19,13 @@ import sys
 from types import ModuleType
 
 import numpy as np
-from array_api_compat import is_dask_array, is_numpy_array, is_torch_array, is_writeable_array
+from array_api_compat import (
+    is_dask_array,
+    is_jax_array,
+    is_numpy_array,
+    is_torch_array,
+    is_writeable_array,
+)
 
 from .typing import Array
 
@@ -181,7 +187,7 @@ def fillable(
         return None
     if _functorch_active():
         return None
-    if any(is_dask_array(x) for x in operands):
-        return None
+    if any(is_dask_array(x) or is_jax_array(x) for x in operands):
+        return None  # before allocating: a JAX array would be made and thrown away
     out = xp.empty(shape, dtype=dtype, device=device)
     return out if is_writeable_array(out) else None

@@ -258,11 +258,13 @@ def plan_blocks(
     Keys outside :meth:`Restrictions.key_range` of a query block are skipped. The
     reachable range is cut into the keys that every query of the block may attend
     (:meth:`Restrictions.full_range`, shrunk to whole multiples of ``block_k`` from the
-    range's start) and the partial bands on either side, so that as few tiles as possible
-    need a mask and none is a sliver; each part is split into tiles of at most ``block_k``
-    keys, and tiles the restrictions classify as empty are dropped. With ``cut_rows`` a
-    tile keeps only the block's rows that may attend its keys
-    (:meth:`Restrictions.query_range`, :attr:`KeyTile.rows`).
+    range's start, so that the cut leaves no sliver of a tile on either side of it) and the
+    partial bands on either side, so that as few tiles as possible need a mask; each part is
+    split into tiles of at most ``block_k`` keys, and tiles the restrictions classify as
+    empty are dropped. With ``cut_rows`` a tile keeps only the block's rows that may attend
+    its keys (:meth:`Restrictions.query_range`, :attr:`KeyTile.rows`), and a partial tile's
+    run of full rows (at least :data:`BLOCK_ALIGN` of them) becomes a tile of its own, the
+    masked rows before it a whole multiple of :data:`BLOCK_ALIGN`.
 
     Returns
     -------
@@ -273,14 +275,15 @@ def plan_blocks(
     Notes
     -----
     Plans of restrictions made of position bands only (causal, windows: frozen values, no
-    arrays) are kept (:func:`_band_plan`): a repeated call does not plan again.
+    arrays) are kept, the last 16 (:func:`_band_plan`; a plan at 65536 keys holds about
+    1.5 MB): a repeated call does not plan again.
     """
     if all(isinstance(m, Band) for m in r.members):
         return list(_band_plan(r, block_q, block_k, cut_rows))
     return _plan(r, block_q, block_k, cut_rows)
 
 
-@functools.lru_cache(maxsize=128)
+@functools.lru_cache(maxsize=16)
 def _band_plan(
     r: Restrictions, block_q: int, block_k: int, cut_rows: bool
 ) -> tuple[QueryBlock, ...]:

@@ -249,9 +249,10 @@ class _Assembly:
         self, like: Array, pieces: Any, acc: dict[Any, Array], features: int, lead: int
     ) -> Array | None:
         """The pieces ``(key, start, stop)`` of each outer index (``pieces(index)``) of
-        ``acc`` written along the rows of one new array of ``like``'s shape (``lead``: the
-        axes it keeps before the rows; missing pieces are zeros), or ``None`` where the
-        library does not allow it (:func:`~sdpa_array._arrays.inplace.fillable`)."""
+        ``acc`` written along the rows of one new array ``(*like.shape[:lead], rows,
+        features)`` (``lead``: -3 drops a grouped key array's group axis; ``features`` the
+        gradient's last axis; missing pieces are zeros), or ``None`` where the library does
+        not allow it (:func:`~sdpa_array._arrays.inplace.fillable`)."""
         p, xp = self.p, self.p.xp
         shape = (*tuple(like.shape)[:lead], int(like.shape[-2]), features)
         out = inplace.fillable(xp, shape, p.compute_dtype, p.device, like, *acc.values())
