@@ -126,6 +126,8 @@ def forward_tiles(
     (``sdpa_array._arrays.products.matmul``), the sums added and divided at the end: the
     work of our kernel without its layers (validation, operands, score terms, in-place
     checks)."""
+    if loop and causal:
+        raise ValueError("the plain NumPy loop is the non-causal call's")
     p = validate(q, k, v, Options(is_causal=causal))
     bq, bk = choose_block_sizes(p)
     blocks = plan_blocks(Restrictions((p.band,), p.L, p.S), bq, bk, cut_rows=True)
@@ -157,8 +159,6 @@ def forward_tiles(
                 total += sums
         return acc / total
 
-    if loop and causal:
-        raise ValueError("the plain NumPy loop is the non-causal call's")
     items = [(bh, blk) for bh in heads for blk in blocks]
     costs = [block_scores(blk) for _, blk in items]
     return _tiles_on_pool(softmax if loop else work, items, costs), f"{bq}x{bk}"

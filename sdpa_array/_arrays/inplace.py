@@ -183,11 +183,8 @@ def fillable(
     rules of :func:`add`; inside a ``torch.func`` transform any other value of the call, a
     scale or a function's parameters, may be the transformed one) or not worth it: JAX
     arrays are immutable, and a Dask array's assignment only adds tasks to its graph."""
-    if any(_functorch_wrapped(x) or getattr(x, "requires_grad", False) for x in operands):
-        return None
-    if _functorch_active():
-        return None
-    if any(is_dask_array(x) or is_jax_array(x) for x in operands):
+    if _functorch_active() or any(is_dask_array(x) or is_jax_array(x) for x in operands):
         return None  # before allocating: a JAX array would be made and thrown away
     out = xp.empty(shape, dtype=dtype, device=device)
-    return out if is_writeable_array(out) else None
+    writable = is_writeable_array(out) and all(_writable(out, x) for x in operands)
+    return out if writable else None

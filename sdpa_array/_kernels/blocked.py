@@ -214,33 +214,30 @@ def blocked_attention(
         plans = dict.fromkeys(outer, shared)
     items = [(index, block) for index in outer for block in plans[index]]
     inner = batch[split:]
+    costs = [block_scores(block) for _, block in items]
+
+    def run(item: tuple[tuple[int, ...], QueryBlock]) -> tuple[Array, Array, Array]:
+        return _query_block(p, slices[item[0]], inner, item[1], maxima, fixed)
+
     # where the library allows, each item writes its rows into the results (no assembly)
     filled = _Filled.make(p, ops, batch, outputs.lse, maxima)
-
-    def run(item: tuple[tuple[int, ...], QueryBlock]) -> tuple[Array, Array, Array] | None:
-        index, block = item
-        result = _query_block(p, slices[index], inner, block, maxima, fixed)
-        if filled is None:
-            return result
-        filled.put(index, block, result)
-        return None
-
-    results = map_blocks(xp, run, items, [block_scores(block) for _, block in items])
     if filled is not None:
+        map_blocks(xp, lambda item: filled.put(item[0], item[1], run(item)), items, costs)
         return AttentionResult(
             out=ungroup(p, filled.out),
             lse=_rows(p, filled.lse),
             row_maxima=_rows(p, filled.best),
         )
 
+    results = map_blocks(xp, run, items, costs)
     outs, lses, bests = [], [], []
     n_blocks = len(plans[outer[0]])  # every plan covers [0, L) with the same query blocks
     for i in range(len(outer)):
         mine = results[i * n_blocks : (i + 1) * n_blocks]
-        outs.append(concat(xp, [r[0] for r in mine], axis=-2))  # type: ignore[index]
-        lses.append(concat(xp, [r[1] for r in mine], axis=-1))  # type: ignore[index]
+        outs.append(concat(xp, [r[0] for r in mine], axis=-2))
+        lses.append(concat(xp, [r[1] for r in mine], axis=-1))
         if maxima:
-            bests.append(concat(xp, [r[2] for r in mine], axis=-1))  # type: ignore[index]
+            bests.append(concat(xp, [r[2] for r in mine], axis=-1))
 
     def rows(parts: list[Array]) -> Array:
         whole = xp.reshape(xp.stack(parts), (*batch, p.L)) if split else parts[0]
@@ -278,11 +275,11 @@ class _Filled:
         out = inplace.fillable(xp, (*batch, p.L, p.Ev), dtype, device, *arrays)
         if out is None:
             return None
-        rows = (*batch, p.L)
+        rows = (*batch, p.L)  # the same library: as fillable as the output
         return cls(
             out=out,
-            lse=inplace.fillable(xp, rows, dtype, device, *arrays) if lse else None,
-            best=inplace.fillable(xp, rows, dtype, device, *arrays) if maxima else None,
+            lse=xp.empty(rows, dtype=dtype, device=device) if lse else None,
+            best=xp.empty(rows, dtype=dtype, device=device) if maxima else None,
         )
 
     def put(

@@ -69,6 +69,14 @@ ITEMS_PER_THREAD = 2
 Index = tuple[int, ...]
 
 
+class _Acc(dict[Any, Array]):
+    """Sums by key, and the keys whose sum is an array made here (:func:`_add`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owned: set[Any] = set()
+
+
 @dataclass
 class _Sums:
     """Gradient pieces summed so far, by key.
@@ -80,20 +88,12 @@ class _Sums:
     the position of each of the mods' parameters to its gradient so far.
     """
 
-    dq: _Acc = field(default_factory=lambda: _Acc())
-    dk: _Acc = field(default_factory=lambda: _Acc())
-    dv: _Acc = field(default_factory=lambda: _Acc())
-    bias: _Acc = field(default_factory=lambda: _Acc())
-    sink: _Acc = field(default_factory=lambda: _Acc())
-    tables: _Acc = field(default_factory=lambda: _Acc())
-
-
-class _Acc(dict[Any, Array]):
-    """Sums by key, and the keys whose sum is an array made here (:func:`_add`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.owned: set[Any] = set()
+    dq: _Acc = field(default_factory=_Acc)
+    dk: _Acc = field(default_factory=_Acc)
+    dv: _Acc = field(default_factory=_Acc)
+    bias: _Acc = field(default_factory=_Acc)
+    sink: _Acc = field(default_factory=_Acc)
+    tables: _Acc = field(default_factory=_Acc)
 
 
 def _add(acc: _Acc, key: Any, x: Array) -> None:
