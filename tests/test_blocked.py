@@ -506,22 +506,25 @@ def test_pool_only_for_numpy(backend, monkeypatch):
         assert threads == {threading.get_ident()}, xp.__name__
 
 
-def test_where_columns_changes_only_its_columns(backend):
-    """``inplace.where_columns`` replaces the masked entries of its columns by ``fill`` and
-    keeps everything else, in place or not; a condition with more batch elements than the
-    scores broadcasts them."""
+@pytest.mark.parametrize("rows", [slice(0, 4), slice(1, 3), slice(0, 2), slice(2, 4)], ids=str)
+def test_where_tile_changes_only_its_region(backend, rows):
+    """``inplace.where_tile`` replaces the masked entries of its rows and columns by
+    ``fill`` and keeps everything else, in place or not; a condition with more batch
+    elements than the scores broadcasts them."""
     from sdpa_array._arrays import inplace
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((1, 4, 6)).astype(np.float32)
-    for cond in (rng.random((4, 3)) < 0.5, rng.random((2, 4, 3)) < 0.5):
-        lead = np.broadcast_shapes(x.shape[:-1], cond.shape[:-1])
-        expected = np.broadcast_to(x, (*lead, 6)).copy()
-        expected[..., 2:5] = np.where(cond, expected[..., 2:5], -np.inf)
+    n = rows.stop - rows.start
+    for cond in (rng.random((n, 3)) < 0.5, rng.random((2, n, 3)) < 0.5):
+        lead = np.broadcast_shapes(x.shape[:-2], cond.shape[:-2])
+        expected = np.broadcast_to(x, (*lead, 4, 6)).copy()
+        region = expected[..., rows, 2:5]
+        expected[..., rows, 2:5] = np.where(cond, region, -np.inf)
         xb = backend.asarray(x.copy(), "float32")
         xp = array_namespace({"x": xb})
         fill = xp.asarray(-np.inf, dtype=xb.dtype)
-        got = inplace.where_columns(xp, xb, slice(2, 5), backend.asarray(cond), fill)
+        got = inplace.where_tile(xp, xb, rows, slice(2, 5), backend.asarray(~cond), fill)
         np.testing.assert_array_equal(reference.to_numpy(got), expected)
 
 

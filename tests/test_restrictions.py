@@ -125,6 +125,43 @@ def test_query_range_bounds_every_key(args, k0, width):
     assert not grid[outside, k0:k1].any()
 
 
+@given(band_args, st.integers(0, 23), st.integers(0, 9))
+def test_band_full_rows_are_exactly_the_rows_attending_every_key(args, k0, width):
+    """``Band.full_rows`` is the set of queries that attend every key of the range (for a
+    band an interval), by the oracle's grid; every query for no key."""
+    L, S = args[:2]
+    grid = _grid(*args)
+    k0 = min(k0, S - 1)
+    k1 = min(k0 + width, S)
+    lo, hi = _band(*args).full_rows(k0, k1)
+    expected = grid[:, k0:k1].all(axis=1)
+    got = np.zeros(L, dtype=bool)
+    got[lo:hi] = True
+    np.testing.assert_array_equal(got, expected)
+
+
+@given(band_args, tiles, st.booleans())
+def test_partial_rows_leave_out_only_rows_attending_every_column(args, tile, dense):
+    """Rows of a tile outside ``partial_rows`` attend every column of it, and they are a run
+    at one end of the tile (or all of it); with a member that has no ``full_rows`` (a dense
+    mask) every row is kept."""
+    grid, r, rows, cols = _band_tile(args, tile)
+    if dense:
+        L, S = args[:2]
+        r = Restrictions((*r.members, DenseMask(np.ones((L, S), dtype=bool), S)), L, S)
+    part = r.partial_rows(rows, cols)
+    assert rows.start <= part.start <= part.stop <= rows.stop
+    assert part.start == rows.start or part.stop == rows.stop
+    if dense:
+        assert part == rows
+    kept = np.zeros(grid.shape[0], dtype=bool)
+    kept[rows] = True
+    kept[part] = False
+    assert grid[kept, cols].all()
+    if grid[rows, cols].all() and not dense:
+        assert part.start == part.stop
+
+
 long_band_args = st.tuples(
     st.integers(1, 90), st.integers(1, 90), st.booleans(), sides, sides, st.booleans()
 )
@@ -134,7 +171,7 @@ long_band_args = st.tuples(
 def test_forward_plan_with_cut_rows_covers_every_admissible_pair_once(args, bq, bk):
     """Tiles cut to rows: inside their block, classified exactly for their rows, and
     together covering every admissible pair once (rows left out attend none of the keys);
-    long blocks split a partial tile's full rows off (at least 16 of them)."""
+    a band's partial tile keeps its full rows (its mask leaves them out)."""
     L, S = args[:2]
     grid = _grid(*args)
     r = Restrictions((_band(*args),), L, S)
@@ -147,6 +184,8 @@ def test_forward_plan_with_cut_rows_covers_every_admissible_pair_once(args, bq, 
             assert tile.kind is _kind(grid[rows, cols])
             assert tile.kind is not TileKind.EMPTY
             covered[rows, cols] += 1
+        starts = [tile.start for tile in block.tiles]
+        assert len(set(starts)) == len(starts)  # no columns cut into two tiles of rows
     assert covered.max(initial=0) <= 1
     assert (covered[grid] == 1).all()
 

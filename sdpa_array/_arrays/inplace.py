@@ -9,7 +9,7 @@ nor can a tensor combined with one that a
 ``torch.func`` transform wraps (under ``vmap`` the other operand may hold more elements than
 it shows), and a read-only NumPy array cannot be.
 The kernels call :func:`add`, :func:`add_rows`, :func:`subtract`, :func:`multiply`,
-:func:`exp`, :func:`exp2` and :func:`where_columns` on arrays they created themselves, and
+:func:`exp`, :func:`exp2` and :func:`where_tile` on arrays they created themselves, and
 :func:`fillable` for a result they fill block by block.
 """
 
@@ -20,6 +20,7 @@ from types import ModuleType
 
 import numpy as np
 from array_api_compat import (
+    device,
     is_dask_array,
     is_jax_array,
     is_numpy_array,
@@ -29,7 +30,7 @@ from array_api_compat import (
 
 from .typing import Array
 
-__all__ = ["add", "add_rows", "exp", "fillable", "multiply", "subtract", "where_columns"]
+__all__ = ["add", "add_rows", "exp", "fillable", "multiply", "subtract", "where_tile"]
 
 
 def _functorch_wrapped(a: Array) -> bool:
@@ -149,24 +150,38 @@ def _fill_through_view(x: Array) -> bool:
     return bool(is_numpy_array(x))
 
 
-def where_columns(xp: ModuleType, x: Array, cols: slice, cond: Array, fill: Array) -> Array:
-    """``x`` whose columns ``cols`` (last axis, a slice of ``x``'s own indices) hold
-    ``where(cond, x[..., cols], fill)``; the other columns are kept as they are.
+def where_tile(
+    xp: ModuleType, x: Array, rows: slice, cols: slice, excluded: Array, fill: Array
+) -> Array:
+    """``x`` whose entries in ``rows`` and ``cols`` (its last two axes, slices of ``x``'s
+    own indices) hold ``fill`` where ``excluded`` is true; all others are kept as they are.
 
     Written into ``x`` where that is allowed (the library writes through indexing and
-    ``x`` keeps its shape): on NumPy through a boolean index of the columns' view (no
-    temporary of the columns), else by assigning the ``where``; otherwise put together
-    anew. Use the returned array.
+    ``x`` keeps its shape): on NumPy through a boolean index of the region's view (no
+    temporary of it), else by assigning a ``where``; otherwise put together anew, with
+    ``excluded`` grown by rows of ``False`` to all of ``x``'s rows. Use the returned array.
     """
-    view = x[..., cols]
-    shape = _broadcast_shape(tuple(cond.shape), tuple(view.shape))
-    if shape == tuple(view.shape) and _writable(x, cond):
+    view = x[..., rows, cols]
+    shape = _broadcast_shape(tuple(excluded.shape), tuple(view.shape))
+    if shape == tuple(view.shape) and _writable(x, excluded):
         if _fill_through_view(x):
-            view[xp.logical_not(xp.broadcast_to(cond, shape))] = fill
+            view[xp.broadcast_to(excluded, shape)] = fill
         else:
-            x[..., cols] = xp.where(cond, view, fill)
+            x[..., rows, cols] = xp.where(excluded, fill, view)
         return x
-    part = xp.where(cond, view, fill)
+    n = int(x.shape[-2])
+    if rows.start > 0 or rows.stop < n:
+        lead, width = tuple(excluded.shape[:-2]), cols.stop - cols.start
+        where = device(excluded)
+        excluded = xp.concat(
+            [
+                xp.zeros((*lead, rows.start, width), dtype=xp.bool, device=where),
+                xp.broadcast_to(excluded, (*lead, rows.stop - rows.start, width)),
+                xp.zeros((*lead, n - rows.stop, width), dtype=xp.bool, device=where),
+            ],
+            axis=-2,
+        )
+    part = xp.where(excluded, fill, x[..., cols])
     if cols.start == 0 and cols.stop >= x.shape[-1]:
         return part
     lead = tuple(part.shape[:-1])

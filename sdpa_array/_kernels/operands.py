@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._arrays import inplace
@@ -41,6 +42,7 @@ from .score_terms import LOG2E, ModInput, ScoreTerms
 from .sequences import sequence_members
 
 __all__ = [
+    "KEPT_MASKS",
     "Operands",
     "backward_tile_scores",
     "fixed_weights",
@@ -50,6 +52,10 @@ __all__ = [
     "tile_scores",
     "tile_scores_and_maxima",
 ]
+
+
+#: Most tile masks one :class:`Operands` keeps (each at most a tile of booleans).
+KEPT_MASKS = 64
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,10 @@ class Operands:
         Which pairs are admissible.
     dropout : Dropout or None
         Dropout of the weights (``None`` without).
+    masks : dict
+        The excluded pairs of tiles, by :meth:`Restrictions.mask_key` (a key names one
+        mask in every batch slice), built once for the call and shared by the slices of
+        :meth:`at`; at most :data:`KEPT_MASKS`.
     """
 
     q: Array
@@ -75,6 +85,7 @@ class Operands:
     terms: ScoreTerms
     restrictions: Restrictions
     dropout: Dropout | None = None
+    masks: dict[Hashable, Array] = field(default_factory=dict, compare=False, repr=False)
 
     def at(self, index: tuple[int, ...]) -> Operands:
         """The operands of the outer batch slice ``index``."""
@@ -87,6 +98,7 @@ class Operands:
             terms=self.terms.at(index),
             restrictions=self.restrictions.at(index),
             dropout=None if self.dropout is None else self.dropout.at(index),
+            masks=self.masks,
         )
 
     def in_base2(self) -> Operands:
@@ -239,17 +251,29 @@ def _excluded(
     p: Problem, ops: Operands, rows: slice, cols: slice, tiles: tuple[Array, ...], fill: float
 ) -> tuple[Array, ...]:
     """``tiles`` (of the tile's shape) with ``fill`` where the restrictions exclude a pair;
-    columns that every query of the tile may attend are left as they are."""
+    columns that every query of the tile may attend, and then rows that may attend every
+    remaining column, are left as they are."""
     xp = p.xp
-    masked = ops.restrictions.partial_columns(rows, cols)
+    restrictions = ops.restrictions
+    masked = restrictions.partial_columns(rows, cols)
     if masked.start >= masked.stop:
         return tiles
-    allowed = ops.restrictions.tile_mask(xp, p.device, rows, masked)
-    if allowed is None:
+    masked_rows = restrictions.partial_rows(rows, masked)
+    if masked_rows.start >= masked_rows.stop:
         return tiles
-    within = slice(masked.start - cols.start, masked.stop - cols.start)
+    key = restrictions.mask_key(masked_rows, masked)
+    excluded = None if key is None else ops.masks.get(key)
+    if excluded is None:
+        allowed = restrictions.tile_mask(xp, p.device, masked_rows, masked)
+        if allowed is None:
+            return tiles
+        excluded = xp.logical_not(allowed)
+        if key is not None and len(ops.masks) < KEPT_MASKS:
+            ops.masks[key] = excluded
+    r = slice(masked_rows.start - rows.start, masked_rows.stop - rows.start)
+    c = slice(masked.start - cols.start, masked.stop - cols.start)
     value = xp.asarray(fill, dtype=tiles[0].dtype, device=p.device)
-    return tuple(inplace.where_columns(xp, t, within, allowed, value) for t in tiles)
+    return tuple(inplace.where_tile(xp, t, r, c, excluded, value) for t in tiles)
 
 
 def _tile(

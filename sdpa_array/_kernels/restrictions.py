@@ -30,6 +30,7 @@ key ``j`` only if ``j <= i + offset`` and ``window=(left, right)`` only if
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
@@ -72,7 +73,11 @@ class Restriction(Protocol):
     # the tile plan, and ``classify`` says which tiles inside them are empty or full. A
     # member may define ``query_range(k_start, k_stop) -> (lo, hi)``, the queries outside
     # which none may attend a key of ``[k_start, k_stop)`` (a band's rows): tiles are then
-    # cut to those rows. Without it every query may.
+    # cut to those rows. Without it every query may. A member may define
+    # ``full_rows(k_start, k_stop) -> (lo, hi)``, queries that may attend every key of the
+    # range (a band's): a tile's mask then leaves out a run of such rows at either end. A
+    # member may define ``mask_key(rows, cols)``, a key equal for tiles with equal masks in
+    # every batch slice (a band's): the kernels then build each such mask once per call.
 
 
 def _member_kind(
@@ -210,6 +215,46 @@ class Restrictions:
         if b == cols.stop:
             return slice(cols.start, a)
         return cols
+
+    def partial_rows(self, rows: slice, cols: slice) -> slice:
+        """The tile's rows that may need a mask: ``rows`` without a run of rows at either
+        end that attend every key of ``cols``.
+
+        The rows that may attend every key come from the members that do not admit the
+        whole tile, each through its ``full_rows(k_start, k_stop)`` (a band's); a member
+        without it keeps every row. As :meth:`partial_columns`, a run covering one end of
+        ``rows`` is left out (all of them when it covers both).
+        """
+        lo, hi = rows.start, rows.stop
+        for m in self.members:
+            if _member_kind(m, rows, cols) is TileKind.FULL:
+                continue
+            full_rows = getattr(m, "full_rows", None)
+            if full_rows is None:
+                return rows
+            a, b = full_rows(cols.start, cols.stop)
+            lo, hi = max(lo, a), min(hi, b)
+        if lo >= hi:
+            return rows
+        if lo == rows.start:
+            return slice(hi, rows.stop)
+        if hi == rows.stop:
+            return slice(rows.start, lo)
+        return rows
+
+    def mask_key(self, rows: slice, cols: slice) -> Hashable | None:
+        """A key equal for tiles whose :meth:`tile_mask` is equal, from the members that
+        do not admit the whole tile, each through its ``mask_key(rows, cols)`` (a band's);
+        ``None`` when one of them has none."""
+        keys = []
+        for i, m in enumerate(self.members):
+            if _member_kind(m, rows, cols) is TileKind.FULL:
+                continue
+            own = getattr(m, "mask_key", None)
+            if own is None:
+                return None
+            keys.append((i, own(rows, cols)))
+        return tuple(keys)
 
     def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array | None:
         """Boolean mask of a tile, or ``None`` when every pair of the tile is admissible.

@@ -219,6 +219,8 @@ def _tiles(
         m = min(a + -(-(m - a) // BLOCK_ALIGN) * BLOCK_ALIGN, b)  # whole multiples of rows
         if b - m < BLOCK_ALIGN:  # too few full rows to be worth a tile of their own
             m = b
+        elif r.partial_rows(slice(a, b), cols).stop <= m:
+            m = b  # the tile's mask leaves out those rows by itself: one tile
         if a < m:
             kind = r.classify(slice(a, m), cols)
             tiles.append(KeyTile(cols.start, cols.stop, kind, _cut(a, m, rows)))
@@ -264,7 +266,9 @@ def plan_blocks(
     empty are dropped. With ``cut_rows`` a tile keeps only the block's rows that may attend
     its keys (:meth:`Restrictions.query_range`, :attr:`KeyTile.rows`), and a partial tile's
     run of full rows (at least :data:`BLOCK_ALIGN` of them) becomes a tile of its own, the
-    masked rows before it a whole multiple of :data:`BLOCK_ALIGN`.
+    masked rows before it a whole multiple of :data:`BLOCK_ALIGN`, unless the tile's mask
+    leaves those rows out by itself (:meth:`Restrictions.partial_rows`, a band's): one
+    tile then does fewer, larger products.
 
     Returns
     -------

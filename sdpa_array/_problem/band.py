@@ -90,6 +90,17 @@ class Band:
         hi = min(self.S, self._keys_of(q_start)[1])
         return lo, max(lo, hi)
 
+    def full_rows(self, k_start: int, k_stop: int) -> tuple[int, int]:
+        """Queries ``[lo, hi)`` that may attend every key of ``[k_start, k_stop)`` (all
+        of them for no key)."""
+        if k_start >= k_stop:
+            return 0, self.L
+        upper = self._upper()
+        # query i reaches keys [i + offset - left, i + offset + upper]
+        lo = 0 if upper is None else max(0, k_stop - 1 - self.offset - upper)
+        hi = self.L if self.left is None else min(self.L, k_start - self.offset + self.left + 1)
+        return lo, max(lo, hi)
+
     def query_range(self, k_start: int, k_stop: int) -> tuple[int, int]:
         """Queries ``[lo, hi)`` outside which none may attend a key of ``[k_start, k_stop)``."""
         if k_start >= k_stop:
@@ -124,6 +135,11 @@ class Band:
             return below
         above = col >= diag - self.left
         return above if below is None else xp.logical_and(below, above)
+
+    def mask_key(self, rows: slice, cols: slice) -> tuple[int, int, int]:
+        """What the tile's mask depends on: the diagonal's column in its first row and
+        its shape (tiles with equal keys have equal masks)."""
+        return rows.start + self.offset - cols.start, rows.stop - rows.start, cols.stop - cols.start
 
     def at(self, index: tuple[int, ...]) -> Band:
         return self
