@@ -35,7 +35,9 @@ every L to 256 (128 stays 128).
    ``benchmarks/backward.py``). The VJP recomputes the scores; torch's backward does not.
    Beside them, the backward's GEMM-bound limit: the five products of each tile of the
    VJP's plan (``plan_backward``: 128 query rows x all 2048 keys), ``s = q kᵀ``,
-   ``dp = dO vᵀ``, ``sᵀ dO``, ``dp k``, ``dpᵀ q``, on the pool as in 2, / torch's non-causal
+   ``dp = dO vᵀ`` (both as transposed products where our kernel computes them so:
+   ``sdpa_array._arrays.products.scores``), ``sᵀ dO``, ``dp k``, ``dpᵀ q``, on the pool as
+   in 2, / torch's non-causal
    backward: the best VJP / torch ratio our products allow (torch's run on MKL, ours on
    NumPy's OpenBLAS).
 6. torch via ``auto`` / torch called directly: torch tensors through
@@ -69,7 +71,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 import sdpa_array
 from sdpa_array._arrays.parallel import ENV_VAR, map_blocks
-from sdpa_array._arrays.products import matmul
+from sdpa_array._arrays.products import matmul, scores, transposes
 from sdpa_array._kernels.restrictions import Restrictions
 from sdpa_array._kernels.tiling import (
     block_scores,
@@ -175,7 +177,9 @@ def backward_tiles(q: Any, k: Any, v: Any, g: Any) -> tuple[Callable[[], Any], s
         rows, grads, out = q[b, h, block.start : block.stop], g[b, h, block.start : block.stop], ()
         for start, stop in block.tiles:
             keys, values = k[b, h, start:stop], v[b, h, start:stop]
-            s, dp = rows @ keys.T, grads @ values.T  # the scores (P) and dP (dS)
+            wide = transposes(np, rows, keys)  # laid out as our kernel lays them out
+            s = scores(np, rows, keys, transposed=wide)  # the scores (P)
+            dp = scores(np, grads, values, transposed=wide)  # dP (dS)
             out = (s.T @ grads, dp @ keys, dp.T @ rows)  # dV, dQ, dK
         return out
 

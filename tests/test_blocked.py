@@ -546,3 +546,19 @@ def test_fillable_results_where_the_library_writes(backend, monkeypatch):
         assert tuple(out.shape) == (4, 5)
         out[1:3, ...] = x[:, :1]
         assert bool(xp.all(out[1:3, 0] == 1))
+
+
+def test_transposed_layout_keeps_the_values(backend):
+    """``inplace.transposed_layout`` keeps the values; on NumPy its transposed view is
+    contiguous (the layout of a transposed product), elsewhere it is the array itself."""
+    from sdpa_array._arrays import inplace
+
+    x = np.arange(24).reshape(2, 3, 4) % 5 == 0
+    xb = backend.asarray(x)
+    xp = array_namespace({"x": xb})
+    got = inplace.transposed_layout(xp, xb)
+    np.testing.assert_array_equal(reference.to_numpy(got), x)
+    if backend.library == "numpy":
+        assert np.swapaxes(got, -1, -2).flags.c_contiguous
+    else:
+        assert got is xb

@@ -69,3 +69,53 @@ def test_smaller_float32_error_for_a_long_contraction():
     split = np.linalg.norm(products.matmul(xp, e, v) - exact)
     plain = np.linalg.norm(np.matmul(e, v) - exact)
     assert split < plain
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(5, 17), (17, 5), (8, 8)])
+def test_scores_equal_the_plain_product_either_way(rows, cols):
+    """``scores`` gives ``a @ bᵀ`` both as it stands and as the transposed view of
+    ``b @ aᵀ``; ``transposes`` asks for the view on NumPy where ``b`` has more rows."""
+    rng = np.random.default_rng(rows * cols)
+    a = rng.standard_normal((2, rows, 6))
+    b = rng.standard_normal((2, cols, 6))
+    xp = array_namespace({"a": a})
+    want = np.einsum("...ik,...jk->...ij", a, b)
+    for transposed in (False, True):
+        got = products.scores(xp, a, b, transposed=transposed)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+        assert got.flags.c_contiguous is not transposed or rows == 1
+    assert products.transposes(xp, a, b) is (cols > rows)
+
+
+def test_transposes_only_on_numpy(backend):
+    """Other libraries' products stand as they are (their kernels, not OpenBLAS)."""
+    a = backend.asarray(np.ones((2, 3)), "float32")
+    b = backend.asarray(np.ones((9, 3)), "float32")
+    xp = array_namespace({"a": a})
+    assert products.transposes(xp, a, b) is (backend.library == "numpy")
+
+
+@pytest.mark.parametrize("n", [1, 127, 128, 129, 300, 2048])
+def test_strided_row_sums_of_transposed_tiles(n):
+    """``row_sum(strided=True)`` of a transposed view (NumPy's transposed score tiles) sums
+    its rows in runs of ``CHUNK`` keys: the row sums of the view, at most the error of a
+    run of ``CHUNK`` float32 additions plus one per run (``(CHUNK + n / CHUNK) u`` of the
+    sum of the absolute values, the standard bound of a chain of additions)."""
+    from sdpa_array._kernels.softmax import row_sum
+    from sdpa_array._problem.options import Options
+    from sdpa_array._problem.problem import validate
+
+    rng = np.random.default_rng(n)
+    stored = rng.standard_normal((2, 3, n, 5)).astype(np.float32)  # a transposed product
+    e = np.swapaxes(stored, -1, -2)  # (2, 3, 5, n), rows strided
+    p = validate(*(np.ones((1, 1, 2, 2), np.float32),) * 3, Options())
+    got = row_sum(p, e, strided=True)
+    assert got.shape == (2, 3, 5, 1)
+    want = e.astype(np.float64).sum(axis=-1, keepdims=True)
+    u = np.finfo(np.float32).eps / 2
+    bound = (
+        (products.CHUNK + n / products.CHUNK + 1)
+        * u
+        * np.abs(e).astype(np.float64).sum(axis=-1, keepdims=True)
+    )
+    assert np.all(np.abs(got - want) <= bound)

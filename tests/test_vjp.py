@@ -646,3 +646,44 @@ def test_blocked_vjp_assembles_the_same_with_and_without_filling(monkeypatch):
     concatenated = vjp(q, k, v, g, **opts)
     for a, b in zip(filled, concatenated, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(CASE_FIELDS, [c for c in _tiled_cases() if c.id != "gqa"])
+def test_transposed_score_tiles_match_oracle(
+    monkeypatch, case_id, q_shape, k_shape, v_shape, options, mask_shape, bias_shape
+):
+    """NumPy computes a wide tile's scores and ``dP`` as transposed products
+    (``products.scores``; their rows strided): the gradients match the oracle with and
+    without, and the transposed products were taken where the tiles are wider than tall
+    (not across GQA groups)."""
+    from sdpa_array._arrays import products
+    from sdpa_array.testing import get_backend
+
+    numpy_backend = get_backend("numpy")
+    q, k, v, d_out, mask, bias = _draw(
+        case_id, q_shape, k_shape, v_shape, mask_shape, bias_shape, options
+    )
+    taken = []
+    original = products.transposes
+
+    def spy(xp, a, b):
+        taken.append(original(xp, a, b))
+        return taken[-1]
+
+    for transposes in (spy, lambda *a: False):
+        monkeypatch.setattr(products, "transposes", transposes)
+        for blocks in ({}, {"block_q": 3, "block_k": 4}):
+            check_vjp_against_oracle(
+                numpy_backend,
+                "float32",
+                q,
+                k,
+                v,
+                d_out,
+                mask=mask,
+                bias=bias,
+                implementation="blocked",
+                **blocks,
+                **options,
+            )
+    assert any(taken), case_id

@@ -30,7 +30,16 @@ from array_api_compat import (
 
 from .typing import Array
 
-__all__ = ["add", "add_rows", "exp", "fillable", "multiply", "subtract", "where_tile"]
+__all__ = [
+    "add",
+    "add_rows",
+    "exp",
+    "fillable",
+    "multiply",
+    "subtract",
+    "transposed_layout",
+    "where_tile",
+]
 
 
 def _functorch_wrapped(a: Array) -> bool:
@@ -148,6 +157,14 @@ def _fill_through_view(x: Array) -> bool:
     views and whose boolean fill needs no temporary (a boolean index on a GPU library
     would wait for the device to count the entries)."""
     return bool(is_numpy_array(x))
+
+
+def transposed_layout(xp: ModuleType, x: Array) -> Array:
+    """``x`` laid out as the transposed view of an array (its last axis strided), to update
+    such a view element by element in memory order (NumPy; other libraries keep ``x``)."""
+    if is_numpy_array(x):
+        return np.swapaxes(np.ascontiguousarray(np.swapaxes(x, -1, -2)), -1, -2)
+    return x
 
 
 def where_tile(

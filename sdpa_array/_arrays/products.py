@@ -25,7 +25,15 @@ from . import inplace
 from .compat import namespace_name
 from .typing import Array
 
-__all__ = ["CHUNK", "SHORT_CHUNK", "SPLIT_LIBRARIES", "matmul"]
+__all__ = [
+    "CHUNK",
+    "SHORT_CHUNK",
+    "SPLIT_LIBRARIES",
+    "TRANSPOSE_LIBRARIES",
+    "matmul",
+    "scores",
+    "transposes",
+]
 
 #: Longest contraction computed as one product where :data:`SPLIT_LIBRARIES` apply.
 CHUNK = 128
@@ -35,6 +43,27 @@ SHORT_CHUNK = 64
 
 #: Namespaces (as :func:`namespace_name` spells them) on OpenBLAS through NumPy.
 SPLIT_LIBRARIES = frozenset({"numpy", "array_api_strict"})
+
+
+#: Namespaces (NumPy's OpenBLAS) whose ``a @ bᵀ`` with many more columns than rows runs
+#: faster as ``(b @ aᵀ)ᵀ``: 128 x 2048 scores from 64 features take 1.15x the time of the
+#: 2048 x 128 product on the development machine (docs/performance.md, issue 28).
+TRANSPOSE_LIBRARIES = frozenset({"numpy"})
+
+
+def transposes(xp: ModuleType, a: Array, b: Array) -> bool:
+    """Whether :func:`scores` computes ``a @ bᵀ`` as ``(b @ aᵀ)ᵀ``: on
+    :data:`TRANSPOSE_LIBRARIES`, where ``b`` has more rows than ``a``."""
+    return namespace_name(xp) in TRANSPOSE_LIBRARIES and int(b.shape[-2]) > int(a.shape[-2])
+
+
+def scores(xp: ModuleType, a: Array, b: Array, *, transposed: bool) -> Array:
+    """``a @ bᵀ``; ``transposed`` (where :func:`transposes` says so): as the transposed view
+    of ``b @ aᵀ``, whose rows are strided (a reduction along them is best a product, as in
+    :func:`~sdpa_array._kernels.softmax.row_sum`)."""
+    if transposed:
+        return xp.matrix_transpose(xp.matmul(b, xp.matrix_transpose(a)))
+    return xp.matmul(a, xp.matrix_transpose(b))
 
 
 def matmul(xp: ModuleType, a: Array, b: Array, whole: int | None = None) -> Array:

@@ -171,32 +171,42 @@ def prepare_backward(
     )
 
 
-def _probabilities(
-    p: Problem, terms: ScoreTerms, s: Array, lse_rows: Array, *, fixed: bool = False
-) -> tuple[Array, Array]:
-    """``P`` of a tile from its final scores ``s``, which this consumes, and the sink's share.
+def _weights(
+    p: Problem,
+    terms: ScoreTerms,
+    s: Array,
+    lse_rows: Array,
+    *,
+    fixed: bool = False,
+    strided: bool = False,
+) -> tuple[Array, Array, Array]:
+    """The weights of a tile from its final scores ``s``, which this consumes, as
+    ``(w, inv, p_sink)`` with ``P = inv * w`` row by row.
 
-    With ``lse_rows=None`` the tile holds every admissible key of its rows and ``P`` is its
-    row-wise softmax (the sink in its denominator), and the sink's share ``p_sink``
-    ``(..., 1)`` is returned too; otherwise ``P = exp(s - lse)`` and ``p_sink`` is ``None``.
-    ``fixed``: the softmax takes a reference of 0 instead of each row's maximum
-    (:func:`~.score_bound.fixed_reference` holds).
+    With ``lse_rows=None`` the tile holds every admissible key of its rows: ``w`` is
+    ``exp(s - ref)`` and ``inv`` ``(..., 1)`` the reciprocal of its rows' sums (the sink in
+    them), left for the caller to apply where it is cheap (to the small operands that the
+    rows' products take), and the sink's share ``p_sink`` ``(..., 1)`` is returned too;
+    otherwise ``w = P = exp(s - lse)`` and ``inv`` and ``p_sink`` are ``None``. ``fixed``:
+    the softmax takes a reference of 0 instead of each row's maximum
+    (:func:`~.score_bound.fixed_reference` holds); ``strided``: ``s`` is a transposed view
+    (:func:`~.softmax.row_sum`).
     """
     xp = p.xp
     if lse_rows is not None:
-        return inplace.exp(xp, inplace.subtract(s, lse_rows)), None
+        return inplace.exp(xp, inplace.subtract(s, lse_rows)), None, None
     if fixed:
-        prob = inplace.exp(xp, s)
+        w = inplace.exp(xp, s)
         sink = terms.sink_total(xp, 0.0)
     else:
         ref = exp_shift(p, terms.row_max(xp, xp.max(s, axis=-1, keepdims=True)))
-        prob = inplace.exp(xp, inplace.subtract(s, ref))
+        w = inplace.exp(xp, inplace.subtract(s, ref))
         sink = terms.sink_total(xp, ref)
-    total = row_sum(p, prob)
+    total = row_sum(p, w, strided=strided)
     if sink is not None:
         total = total + sink
     inv = safe_reciprocal(p, total)
-    return inplace.multiply(prob, inv), None if sink is None else sink * inv
+    return w, inv, None if sink is None else sink * inv
 
 
 def row_delta(p: Problem, d_out: Array, out: Array, grad_lse: Array) -> Array:
@@ -252,10 +262,16 @@ def tile_gradients(
     v = ops.v[..., cols, :]
     bias_trained = ops.terms.bias_mod is not None and ops.terms.bias_mod.trainable
     keep_dz = need_dz or bias_trained
-    s, factor, mod_input = backward_tile_scores(p, ops, r.q, rows, cols)
-    prob, p_sink = _probabilities(p, ops.terms, s, r.lse, fixed=fixed)
+    # NumPy's wide tiles as transposed products; not across GQA groups, whose merged rows
+    # (merge_groups) would then be a copy of the tile
+    transposed = products.transposes(xp, r.q, k) and not p.grouped
+    s, factor, mod_input = backward_tile_scores(p, ops, r.q, rows, cols, transposed=transposed)
+    prob, inv, p_sink = _weights(p, ops.terms, s, r.lse, fixed=fixed, strided=transposed)
     del s
-    d_prob = xp.matmul(r.d_out, xp.matrix_transpose(v))
+    # P = inv * w row by row (w = prob when inv is None): the rows' factor goes onto dO
+    # (rows x Ev), not onto the tile, so dP and dV below come out as inv * dP and Pᵀ dO
+    d_out = r.d_out if inv is None else r.d_out * inv
+    d_prob = products.scores(xp, d_out, v, transposed=transposed)  # laid out as the scores
     kept = prob
     if ops.dropout is not None:
         keep = ops.dropout.keep(xp, rows, cols, p.device)
@@ -263,15 +279,21 @@ def tile_gradients(
         kept = ops.dropout.apply(xp, prob, keep)
     delta = r.delta
     if delta is None:
-        delta = xp.vecdot(prob, d_prob)[..., None]
+        # Σ w inv dP = Σ P dP; along the strided rows of transposed tiles, as a product
+        delta = (
+            row_sum(p, prob * d_prob, strided=True)
+            if transposed
+            else xp.vecdot(prob, d_prob)[..., None]
+        )
         if r.grad_lse is not None:
             delta = delta - r.grad_lse
     # the sink's dZ is p_sink * (0 - D), its value being zero
     dsink = None if p_sink is None else -xp.sum(p_sink * delta, axis=-2, keepdims=True)
-    dz = inplace.multiply(inplace.subtract(d_prob, delta), prob)  # P * (dP - D)
+    # P * (dP - D) = w * (inv dP - inv D)
+    dz = inplace.multiply(inplace.subtract(d_prob, delta if inv is None else delta * inv), prob)
     rows_whole = p.L * (p.groups if p.grouped else 1)  # what dK and dV sum over
     dv = products.matmul(
-        xp, xp.matrix_transpose(merge_groups(p, kept)), merge_groups(p, r.d_out), rows_whole
+        xp, xp.matrix_transpose(merge_groups(p, kept)), merge_groups(p, d_out), rows_whole
     )
     del prob, kept
     dtables = _table_cotangents(ops, dz, mod_input, bias_trained, rows, cols)

@@ -25,7 +25,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._arrays import inplace
+from .._arrays import inplace, products
 from .._arrays.typing import Array
 from .._problem.problem import Inputs, Problem
 from .dropout import Dropout, key_grid
@@ -204,12 +204,15 @@ def tile_scores(
 
 
 def backward_tile_scores(
-    p: Problem, ops: Operands, q_rows: Array, rows: slice, cols: slice
+    p: Problem, ops: Operands, q_rows: Array, rows: slice, cols: slice, *, transposed: bool
 ) -> tuple[Array, Any, ModInput | None]:
     """Final scores of the tile and their factor (:func:`tile_scores` with
     ``need_factor``), and what a trainable score function's parameter cotangents need
-    (:class:`~.score_terms.ModInput`; ``None`` without one)."""
-    s, factor, _, kept = _tile(p, ops, q_rows, rows, cols, need_factor=True, maxima=False)
+    (:class:`~.score_terms.ModInput`; ``None`` without one). ``transposed``: the scores are
+    a transposed view (:func:`~sdpa_array._arrays.products.scores`)."""
+    s, factor, _, kept = _tile(
+        p, ops, q_rows, rows, cols, need_factor=True, maxima=False, transposed=transposed
+    )
     return s, factor, kept
 
 
@@ -248,11 +251,19 @@ def fixed_weights(
 
 
 def _excluded(
-    p: Problem, ops: Operands, rows: slice, cols: slice, tiles: tuple[Array, ...], fill: float
+    p: Problem,
+    ops: Operands,
+    rows: slice,
+    cols: slice,
+    tiles: tuple[Array, ...],
+    fill: float,
+    *,
+    transposed: bool = False,
 ) -> tuple[Array, ...]:
     """``tiles`` (of the tile's shape) with ``fill`` where the restrictions exclude a pair;
     columns that every query of the tile may attend, and then rows that may attend every
-    remaining column, are left as they are."""
+    remaining column, are left as they are. ``transposed``: the tiles are transposed views
+    (:func:`~sdpa_array._arrays.products.scores`), and so is the mask made for them."""
     xp = p.xp
     restrictions = ops.restrictions
     masked = restrictions.partial_columns(rows, cols)
@@ -262,12 +273,15 @@ def _excluded(
     if masked_rows.start >= masked_rows.stop:
         return tiles
     key = restrictions.mask_key(masked_rows, masked)
+    key = None if key is None else (key, transposed)
     excluded = None if key is None else ops.masks.get(key)
     if excluded is None:
         allowed = restrictions.tile_mask(xp, p.device, masked_rows, masked)
         if allowed is None:
             return tiles
         excluded = xp.logical_not(allowed)
+        if transposed:
+            excluded = inplace.transposed_layout(xp, excluded)
         if key is not None and len(ops.masks) < KEPT_MASKS:
             ops.masks[key] = excluded
     r = slice(masked_rows.start - rows.start, masked_rows.stop - rows.start)
@@ -285,13 +299,16 @@ def _tile(
     *,
     need_factor: bool,
     maxima: bool,
+    transposed: bool = False,
 ) -> tuple[Array, Any, Array, ModInput | None]:
+    """The tile's final scores, their factor, row maxima and score-function input;
+    ``transposed``: the product is a transposed view (:func:`~.products.scores`)."""
     xp = p.xp
-    raw = xp.matmul(q_rows, xp.matrix_transpose(ops.k[..., cols, :]))
+    raw = products.scores(xp, q_rows, ops.k[..., cols, :], transposed=transposed)
     scaled = ops.terms.scaled(raw) if maxima and ops.terms.changes_scores else None
     s, factor, kept = ops.terms.apply(xp, raw, rows, cols, need_factor=need_factor)
     if scaled is None:
-        (s,) = _excluded(p, ops, rows, cols, (s,), -math.inf)
+        (s,) = _excluded(p, ops, rows, cols, (s,), -math.inf, transposed=transposed)
     else:
         s, scaled = _excluded(p, ops, rows, cols, (s, scaled), -math.inf)
     row_maxima = None
