@@ -119,3 +119,23 @@ def test_strided_row_sums_of_transposed_tiles(n):
         * np.abs(e).astype(np.float64).sum(axis=-1, keepdims=True)
     )
     assert np.all(np.abs(got - want) <= bound)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_many_chunks_as_one_stacked_product_add_alike(monkeypatch, transposed):
+    """From ``BATCHED_CHUNKS`` chunks NumPy takes them as one stacked product
+    (``_batched``): the same sums, in the same order, as one product per chunk."""
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((2, 24, 1024)).astype(np.float32)
+    if transposed:  # dS as the transposed view of a product, as the backward pass has it
+        a = np.swapaxes(np.ascontiguousarray(np.swapaxes(a, -1, -2)), -1, -2)
+    b = rng.standard_normal((2, 1024, 8)).astype(np.float32)
+    xp = array_namespace({"a": a})
+    taken = []
+    batched = products._batched
+    monkeypatch.setattr(products, "_batched", lambda *x: taken.append(x[2]) or batched(*x))
+    got = products.matmul(xp, a, b)
+    monkeypatch.setattr(products, "BATCHED_CHUNKS", 10**9)
+    one_by_one = products.matmul(xp, a, b)
+    assert taken == [1024 // products.CHUNK]
+    np.testing.assert_array_equal(got, one_by_one)
