@@ -310,3 +310,19 @@ def test_both_backward_softmaxes_against_the_oracle(backend_dtype, options, fixe
         backend, dtype, q, k, v, grad, implementation="blocked", enable_gqa=True, **run
     )
     _check_decisions(backend, decided)
+
+
+def test_scores_in_base2_in_place_leave_the_callers_arrays():
+    """``in_base2(in_place=True)`` (the blocked forward's) multiplies the prepared query,
+    its own array, not the caller's: the same query as the copy, the caller's unchanged."""
+    q, k, v = _unit((1, 2, 16, 16))
+    kept = q.copy()
+    p = validate(q, k, v, Options())
+    copy = prepare(p, Inputs(q, k, v)).in_base2()
+    ops = prepare(p, Inputs(q, k, v))
+    assert ops.terms.scale_in_query
+    own = ops.q
+    in_place = ops.in_base2(in_place=True)
+    np.testing.assert_array_equal(in_place.q, copy.q)
+    assert np.shares_memory(in_place.q, own)
+    np.testing.assert_array_equal(q, kept)

@@ -201,7 +201,7 @@ def blocked_attention(
     maxima = outputs.max_scores
     fixed = not maxima and not plans_for_gpu(p) and fixed_reference(p, ops)
     if fixed and inplace.has_exp2(xp):  # exp2 of the scores times log2(e): faster than exp
-        ops = ops.in_base2()
+        ops = ops.in_base2(in_place=True)  # the operands before are not used again
     slices = {index: ops.at(index) for index in outer}
     # with the fixed reference a tile may cover some of its block's rows (cut_rows)
     if per_sequence:  # each sequence skips the tiles its own lengths or segments exclude

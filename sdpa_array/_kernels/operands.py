@@ -101,13 +101,17 @@ class Operands:
             masks=self.masks,
         )
 
-    def in_base2(self) -> Operands:
+    def in_base2(self, *, in_place: bool = False) -> Operands:
         """The operands whose final scores come out times ``log2(e)``
         (:meth:`ScoreTerms.in_base2`, for a forward softmax taken with ``exp2``): the query
         carries the factor where it carries the scale (one more rounding of each query
-        element), the terms do otherwise."""
+        element), the terms do otherwise. ``in_place``: the query carrying the scale
+        (:func:`prepare`'s own array) is multiplied in place where the library allows it,
+        for a caller whose ``self`` is not used again."""
         terms = self.terms.in_base2()
-        q = self.q * LOG2E if terms.scale_in_query else self.q
+        q = self.q
+        if terms.scale_in_query:
+            q = inplace.multiply(q, LOG2E) if in_place else q * LOG2E
         return dataclasses.replace(self, q=q, terms=terms)
 
 
