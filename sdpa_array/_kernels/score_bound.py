@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 from .._arrays.compat import known_value
-from .._arrays.parallel import get_num_threads, map_blocks
 from .._arrays.typing import Array
 from .._problem.problem import Problem
 from .operands import Operands
@@ -71,36 +70,10 @@ def _largest_norm(p: Problem, x: Array) -> float | None:
     return None if squares is None else top * math.sqrt(squares * growth)
 
 
-def _value_range(p: Problem, v: Array) -> tuple[float, float] | None:
-    """The largest ``|v|`` and the smallest non-zero one (``inf`` when every value is zero),
-    read on the host, or ``None``."""
-    xp = p.xp
-    magnitude = xp.abs(v)
-    largest = _largest(p, magnitude)
-    smallest = known_value(xp.min(magnitude))
-    if smallest == 0:  # the smallest nonzero magnitude instead
-        inf = xp.asarray(math.inf, dtype=p.compute_dtype, device=p.device)
-        smallest = known_value(xp.min(xp.where(magnitude == 0, inf, magnitude)))
-    if largest is None or smallest is None:
-        return None
-    return largest, smallest
-
-
-def _row_parts(x: Array, count: int) -> list[Array]:
-    """``x`` cut into ``count`` runs of rows (its second-to-last axis), as views."""
-    n = int(x.shape[-2])
-    size = -(-n // count)
-    return [x[..., a : min(a + size, n), :] for a in range(0, n, size)] or [x]
-
-
 def fixed_reference(p: Problem, ops: Operands) -> bool:
     """Whether every score of the call lies within ``±T`` (:func:`exponent_limit`) and the
     values keep their digits under weights in ``[e^-T, e^T]``: the softmax may then take
-    ``exp(score)`` with a reference of 0 for every row.
-
-    The bounds of the query, key and value rows are read in parts, run concurrently where
-    the library's work runs so (:func:`~sdpa_array._arrays.parallel.map_blocks`): a bound
-    over all rows is the largest (the smallest) of its parts'."""
+    ``exp(score)`` with a reference of 0 for every row."""
     terms = ops.terms
     if terms.bias is not None or terms.bias_mod is not None or terms.score_mod is not None:
         return False
@@ -111,26 +84,10 @@ def fixed_reference(p: Problem, ops: Operands) -> bool:
     scale = 1.0 if terms.scale_in_query else known_value(terms.scale)
     if scale is None:
         return False
-    parts = get_num_threads()
-    items = [(0, x) for x in _row_parts(ops.q, parts)] + [(1, x) for x in _row_parts(ops.k, parts)]
-    items += [(2, x) for x in _row_parts(ops.v, parts)]
-    costs = [math.prod(x.shape) for _, x in items]
-
-    def part(item: tuple[int, Array]) -> tuple[float, float] | None:
-        kind, x = item
-        if kind == 2:
-            return _value_range(p, x)
-        norm = _largest_norm(p, x)
-        return None if norm is None else (norm, norm)
-
-    read = map_blocks(xp, part, items, costs)
-    bounds = [b for b in read if b is not None]
-    if len(bounds) < len(read):
+    q_norm = _largest_norm(p, ops.q)
+    k_norm = None if q_norm is None else _largest_norm(p, ops.k)
+    if q_norm is None or k_norm is None:
         return False
-    kinds = [kind for kind, _ in items]
-    q_norm = max(b[0] for kind, b in zip(kinds, bounds, strict=True) if kind == 0)
-    k_norm = max(b[0] for kind, b in zip(kinds, bounds, strict=True) if kind == 1)
-    ranges = [b for kind, b in zip(kinds, bounds, strict=True) if kind == 2]
     bound = abs(scale) * q_norm * k_norm
     if terms.softcap is not None:
         bound = min(bound, terms.softcap)
@@ -140,8 +97,14 @@ def fixed_reference(p: Problem, ops: Operands) -> bool:
         sink = _largest(p, xp.abs(terms.sink))
         if sink is None or not sink <= limit:
             return False
-    largest = max(r[0] for r in ranges)
-    smallest = min(r[1] for r in ranges)
+    magnitude = xp.abs(ops.v)
+    largest = _largest(p, magnitude)
+    smallest = known_value(xp.min(magnitude))
+    if smallest == 0:  # the smallest nonzero magnitude instead
+        inf = xp.asarray(math.inf, dtype=p.compute_dtype, device=p.device)
+        smallest = known_value(xp.min(xp.where(magnitude == 0, inf, magnitude)))
+    if largest is None or smallest is None:
+        return False
     finfo = xp.finfo(p.compute_dtype)
     fits = largest * p.S * math.exp(limit) <= float(finfo.max) / 4
     keeps_digits = smallest * math.exp(-limit) * float(finfo.eps) >= float(finfo.smallest_normal)
