@@ -139,3 +139,22 @@ def test_many_chunks_as_one_stacked_product_add_alike(monkeypatch, transposed):
     one_by_one = products.matmul(xp, a, b)
     assert taken == [1024 // products.CHUNK]
     np.testing.assert_array_equal(got, one_by_one)
+
+
+def test_stacked_chunk_products_stay_tile_sized(monkeypatch):
+    """A stack of chunk products larger than ``BATCHED_BYTES`` (a whole call's, on the
+    materialized paths) is not made: the chunks are multiplied one by one, as equal."""
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((3, 16, 1024)).astype(np.float32)
+    b = rng.standard_normal((1024, 8)).astype(np.float32)
+    xp = array_namespace({"a": a})
+    taken = []
+    batched = products._batched
+    monkeypatch.setattr(products, "_batched", lambda *x: taken.append(x[2]) or batched(*x))
+    stacked = 3 * 8 * 16 * 8 * 4  # lead * count * m * n * itemsize
+    monkeypatch.setattr(products, "BATCHED_BYTES", stacked)
+    at_the_cap = products.matmul(xp, a, b)
+    monkeypatch.setattr(products, "BATCHED_BYTES", stacked - 1)
+    over_it = products.matmul(xp, a, b)
+    assert taken == [8]
+    np.testing.assert_array_equal(at_the_cap, over_it)

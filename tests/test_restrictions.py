@@ -9,9 +9,11 @@ conservative (partial where the data would allow more) but never wrong.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import hypothesis.strategies as st
 import numpy as np
+import pytest
 from array_api_compat import numpy as xnp
 from hypothesis import given
 
@@ -160,6 +162,67 @@ def test_partial_rows_leave_out_only_rows_attending_every_column(args, tile, den
     assert grid[kept, cols].all()
     if grid[rows, cols].all() and not dense:
         assert part.start == part.stop
+
+
+#: Bands (``band_args`` order) whose every tile the two tests below go through: causal,
+#: bottom-right causal with L != S, windows on both sides and on one side each.
+SMALL_BANDS = [
+    (9, 9, True, None, None, False),
+    (6, 10, True, None, None, True),
+    (10, 7, False, 2, 1, False),
+    (9, 9, False, 3, None, False),
+    (9, 9, False, None, 2, True),
+]
+
+
+def _every_tile(L: int, S: int):
+    for r0 in range(L):
+        for r1 in range(r0 + 1, L + 1):
+            for c0 in range(S):
+                for c1 in range(c0 + 1, S + 1):
+                    yield slice(r0, r1), slice(c0, c1)
+
+
+@pytest.mark.parametrize("args", SMALL_BANDS, ids=str)
+def test_equal_mask_keys_mean_equal_masks(args):
+    """Over every tile of small bands: tiles with equal ``mask_key`` have equal masks (the
+    kernels build such a mask once per call), the oracle's."""
+    grid = _grid(*args)
+    r = Restrictions((_band(*args),), *args[:2])
+    seen: dict = {}
+    for rows, cols in _every_tile(*args[:2]):
+        mask = r.tile_mask(xnp, "cpu", rows, cols)
+        if mask is None:
+            continue
+        np.testing.assert_array_equal(mask, grid[rows, cols])
+        first = seen.setdefault(r.mask_key(rows, cols), mask)
+        np.testing.assert_array_equal(first, mask)
+    assert len(seen) > 1
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("args", SMALL_BANDS, ids=str)
+def test_excluded_fills_exactly_the_excluded_pairs(args, transposed):
+    """Over every tile of small bands, the kernels' masking of a tile
+    (``operands._excluded``: partial columns, then partial rows, the masks kept for the
+    call, the tile's layout) fills exactly the pairs the oracle excludes."""
+    from sdpa_array._kernels import operands
+
+    L, S = args[:2]
+    grid = _grid(*args)
+    r = Restrictions((_band(*args),), L, S)
+    p = validate(np.zeros((L, 2), np.float32), *(np.zeros((S, 2), np.float32),) * 2, Options())
+    ops = SimpleNamespace(restrictions=r, masks={})
+    cut = 0
+    for rows, cols in _every_tile(L, S):
+        tile = np.ones((cols.stop - cols.start, rows.stop - rows.start), np.float32)
+        tile = tile.T if transposed else np.ascontiguousarray(tile.T)
+        (got,) = operands._excluded(p, ops, rows, cols, (tile,), 0.0, transposed=transposed)
+        np.testing.assert_array_equal(got, grid[rows, cols])
+        masked = r.partial_columns(rows, cols)
+        cut += masked.start < masked.stop and r.partial_rows(rows, masked) != rows
+    assert ops.masks  # masks were kept
+    assert cut  # and rows were left out of some tiles' masks
 
 
 long_band_args = st.tuples(

@@ -19,6 +19,7 @@ launch) get one product.
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 
 import numpy as np
@@ -28,6 +29,8 @@ from .compat import namespace_name
 from .typing import Array
 
 __all__ = [
+    "BATCHED_BYTES",
+    "BATCHED_CHUNKS",
     "CHUNK",
     "SHORT_CHUNK",
     "SPLIT_LIBRARIES",
@@ -47,6 +50,11 @@ SHORT_CHUNK = 64
 #: (:func:`_batched`): fewer calls, where two chunks' stacked product is slower than the two
 #: (docs/performance.md, issue 28).
 BATCHED_CHUNKS = 4
+
+#: Largest stacked product (bytes) :func:`_batched` makes: a tile's (the backward's ``dQ``
+#: at 2048 keys stacks 512 KiB), not a whole call's, whose stack of ``K / CHUNK`` results
+#: would add to its peak memory (the materialized paths').
+BATCHED_BYTES = 4 * 2**20
 
 #: Namespaces (as :func:`namespace_name` spells them) on OpenBLAS through NumPy.
 SPLIT_LIBRARIES = frozenset({"numpy", "array_api_strict"})
@@ -85,7 +93,10 @@ def matmul(xp: ModuleType, a: Array, b: Array, whole: int | None = None) -> Arra
     count = -(-k // chunk)
     size = -(-k // count)
     if count >= BATCHED_CHUNKS and k == count * size and namespace_name(xp) == "numpy":
-        return _batched(a, b, count, size)
+        lead = math.prod(_broadcast(tuple(a.shape[:-2]), tuple(b.shape[:-2])))
+        stacked = lead * count * int(a.shape[-2]) * int(b.shape[-1]) * a.dtype.itemsize
+        if stacked <= BATCHED_BYTES:
+            return _batched(a, b, count, size)
     out = xp.matmul(a[..., :size], b[..., :size, :])
     for start in range(size, k, size):
         stop = min(start + size, k)
@@ -93,9 +104,18 @@ def matmul(xp: ModuleType, a: Array, b: Array, whole: int | None = None) -> Arra
     return out
 
 
+def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """The broadcast shape of two batch shapes that broadcast."""
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
+    return tuple(int(y) if int(x) == 1 else int(x) for x, y in zip(a, b, strict=True))
+
+
 def _batched(a: Array, b: Array, count: int, size: int) -> Array:
-    """The chunks' products as one stacked NumPy product, added in order: the chunks are
-    views (``a``'s last axis split, ``b``'s rows), the additions a reduction of their axis."""
+    """The chunks' products as one stacked NumPy product, added along its chunk axis: the
+    chunks are views (``a``'s last axis split, ``b``'s rows). NumPy adds them in order
+    (the per-chunk sums bit for bit), except where the result has one element, whose
+    additions it makes pairwise."""
     m, n = int(a.shape[-2]), int(b.shape[-1])
     lead_a, lead_b = tuple(a.shape[:-2]), tuple(b.shape[:-2])
     pieces_a = np.moveaxis(np.reshape(a, (*lead_a, m, count, size)), -2, -3)

@@ -43,6 +43,7 @@ from .sequences import sequence_members
 
 __all__ = [
     "KEPT_MASKS",
+    "KEPT_MASK_PAIRS",
     "Operands",
     "backward_tile_scores",
     "fixed_weights",
@@ -54,8 +55,13 @@ __all__ = [
 ]
 
 
-#: Most tile masks one :class:`Operands` keeps (each at most a tile of booleans).
+#: Tile masks one :class:`Operands` keeps: it adds none once it holds this many (threads
+#: adding at once may overshoot by a few).
 KEPT_MASKS = 64
+
+#: Largest tile mask kept (pairs): a tile's, not a whole call's (the materialized paths'
+#: one mask would otherwise stay alive for the whole call).
+KEPT_MASK_PAIRS = 2**20
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ class Operands:
     masks : dict
         The excluded pairs of tiles, by :meth:`Restrictions.mask_key` (a key names one
         mask in every batch slice), built once for the call and shared by the slices of
-        :meth:`at`; at most :data:`KEPT_MASKS`.
+        :meth:`at` (:data:`KEPT_MASKS` of at most :data:`KEPT_MASK_PAIRS` pairs).
     """
 
     q: Array
@@ -265,8 +271,9 @@ def _excluded(
     transposed: bool = False,
 ) -> tuple[Array, ...]:
     """``tiles`` (of the tile's shape) with ``fill`` where the restrictions exclude a pair;
-    columns that every query of the tile may attend, and then rows that may attend every
-    remaining column, are left as they are. ``transposed``: the tiles are transposed views
+    a run of columns at either end that every query of the tile may attend, and then a run
+    of rows at either end that attend every remaining column, are left as they are.
+    ``transposed``: the tiles are transposed views
     (:func:`~sdpa_array._arrays.products.scores`), and so is the mask made for them."""
     xp = p.xp
     restrictions = ops.restrictions
@@ -286,7 +293,8 @@ def _excluded(
         excluded = xp.logical_not(allowed)
         if transposed:
             excluded = inplace.transposed_layout(xp, excluded)
-        if key is not None and len(ops.masks) < KEPT_MASKS:
+        pairs = (masked_rows.stop - masked_rows.start) * (masked.stop - masked.start)
+        if key is not None and len(ops.masks) < KEPT_MASKS and pairs <= KEPT_MASK_PAIRS:
             ops.masks[key] = excluded
     r = slice(masked_rows.start - rows.start, masked_rows.stop - rows.start)
     c = slice(masked.start - cols.start, masked.stop - cols.start)
