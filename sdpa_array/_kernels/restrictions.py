@@ -95,6 +95,19 @@ def _member_kind(
     return _classify(key, m.full_range(rows.start, rows.stop), cols)
 
 
+def _without_end_run(span: slice, lo: int, hi: int) -> slice:
+    """``span`` without its part in ``[lo, hi)`` where that part is a run at one end of it
+    (empty where it is all of it); ``span`` itself otherwise."""
+    a, b = max(lo, span.start), min(hi, span.stop)
+    if a >= b:
+        return span
+    if a == span.start:
+        return slice(b, span.stop)
+    if b == span.stop:
+        return slice(span.start, a)
+    return span
+
+
 def _classify(key: tuple[int, int], full: tuple[int, int], cols: slice) -> TileKind:
     lo, hi = max(key[0], cols.start), min(key[1], cols.stop)
     if lo >= hi:
@@ -206,15 +219,7 @@ class Restrictions:
         they cover one end of the tile, the rest of it is returned (empty when they cover
         all of it), else the whole tile.
         """
-        lo, hi = self.full_range(rows.start, rows.stop)
-        a, b = max(lo, cols.start), min(hi, cols.stop)
-        if a >= b:
-            return cols
-        if a == cols.start:
-            return slice(b, cols.stop)
-        if b == cols.stop:
-            return slice(cols.start, a)
-        return cols
+        return _without_end_run(cols, *self.full_range(rows.start, rows.stop))
 
     def partial_rows(self, rows: slice, cols: slice) -> slice:
         """The tile's rows that may need a mask: ``rows`` without a run of rows at either
@@ -234,13 +239,7 @@ class Restrictions:
                 return rows
             a, b = full_rows(cols.start, cols.stop)
             lo, hi = max(lo, a), min(hi, b)
-        if lo >= hi:
-            return rows
-        if lo == rows.start:
-            return slice(hi, rows.stop)
-        if hi == rows.stop:
-            return slice(rows.start, lo)
-        return rows
+        return _without_end_run(rows, lo, hi)
 
     def mask_key(self, rows: slice, cols: slice) -> Hashable | None:
         """A key equal for tiles whose :meth:`tile_mask` is equal, from the members that
