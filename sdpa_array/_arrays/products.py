@@ -93,7 +93,7 @@ def matmul(xp: ModuleType, a: Array, b: Array, whole: int | None = None) -> Arra
     count = -(-k // chunk)
     size = -(-k // count)
     if count >= BATCHED_CHUNKS and k == count * size and namespace_name(xp) == "numpy":
-        lead = math.prod(_broadcast(tuple(a.shape[:-2]), tuple(b.shape[:-2])))
+        lead = math.prod(inplace._broadcast_shape(tuple(a.shape[:-2]), tuple(b.shape[:-2])) or ())
         stacked = lead * count * int(a.shape[-2]) * int(b.shape[-1]) * a.dtype.itemsize
         if stacked <= BATCHED_BYTES:
             return _batched(a, b, count, size)
@@ -102,13 +102,6 @@ def matmul(xp: ModuleType, a: Array, b: Array, whole: int | None = None) -> Arra
         stop = min(start + size, k)
         out = inplace.add(out, xp.matmul(a[..., start:stop], b[..., start:stop, :]))
     return out
-
-
-def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
-    """The broadcast shape of two batch shapes that broadcast."""
-    n = max(len(a), len(b))
-    a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
-    return tuple(int(y) if int(x) == 1 else int(x) for x, y in zip(a, b, strict=True))
 
 
 def _batched(a: Array, b: Array, count: int, size: int) -> Array:

@@ -322,7 +322,7 @@ def _tile(
     if scaled is None:
         (s,) = _excluded(p, ops, rows, cols, (s,), -math.inf, transposed=transposed)
     else:
-        s, scaled = _excluded(p, ops, rows, cols, (s, scaled), -math.inf)
+        s, scaled = _excluded(p, ops, rows, cols, (s, scaled), -math.inf, transposed=transposed)
     row_maxima = None
     if maxima:
         row_maxima = xp.max(s if scaled is None else scaled, axis=-1, keepdims=True)
