@@ -97,8 +97,10 @@ BLOCK_ALIGN = 16
 
 #: Key grid block of the backward pass when restrictions let query blocks reach different
 #: keys: a tile starts and ends on this grid, so at most one grid block of excluded keys is
-#: computed on each side of the admissible band.
-GRID_RESTRICTED = 256
+#: computed on each side of the admissible band (a causal tile of 128 query rows ends at its
+#: diagonal; 256 computed and masked up to 128 more keys, 5 % of the causal VJP at 2048 on
+#: one thread, docs/performance.md).
+GRID_RESTRICTED = 128
 
 #: Fewest query rows in a backward tile that holds whole rows: a row of up to
 #: ``TILE_BYTES / (itemsize * MIN_ROWS)`` keys (4096 in float32) fits one tile, so the

@@ -9,14 +9,15 @@ block visits the grid blocks its queries can reach (the restrictions skip the re
 attention does about half the work), in tiles of whole grid blocks, and each tile gives
 
 * rows of ``dQ``, summed over the block's tiles;
-* one piece of ``dK`` and ``dV`` per grid block, summed over the tile's rows (and over the
-  query heads of each GQA group, inside the matrix product);
+* rows of ``dK`` and ``dV`` for the tile's keys, summed over the tile's rows (and over the
+  query heads of each GQA group, inside the matrix product) and added into the item's
+  gradients of all the keys;
 * pieces of ``dBias``, each already summed down to the bias's own shape.
 
-A work item is some query blocks of one batch slice (:func:`_deal`); it sums its pieces grid
-block by grid block (:func:`_item`), the caller adds the items' sums (:func:`_sum_items`)
-and puts the gradients together (:class:`_Assembly`), with zeros for skipped tiles. Nothing
-ever holds a score matrix. Items are independent, so
+A work item is some query blocks of one batch slice (:func:`_deal`); it sums its pieces
+(:func:`_item`; ``dBias``'s grid block by grid block), the caller adds the items' sums
+(:func:`_sum_items`) and puts the gradients together (:class:`_Assembly`), with zeros for
+skipped tiles. Nothing ever holds a score matrix. Items are independent, so
 :func:`~sdpa_array._arrays.parallel.map_blocks` runs them concurrently for NumPy.
 
 Where the probabilities come from
@@ -82,10 +83,11 @@ class _Sums:
     """Gradient pieces summed so far, by key.
 
     ``dq`` maps ``(index, block start)`` to rows of ``dQ``; ``dk`` and ``dv`` map
-    ``(index, grid block start)`` to pieces; ``bias`` maps ``(index, row key, column key)``
-    (``None`` along a broadcast axis) to a piece of ``dBias``. Each ``index`` is the batch
-    index as the gradient's own array sees it (its size-1 axes broadcast). ``tables`` maps
-    the position of each of the mods' parameters to its gradient so far.
+    ``index`` to the gradient of all the keys (an item's own sums: ``None``); ``bias`` maps
+    ``(index, row key, column key)`` (``None`` along a broadcast axis) to a piece of
+    ``dBias``. Each ``index`` is the batch index as the gradient's own array sees it (its
+    size-1 axes broadcast). ``tables`` maps the position of each of the mods' parameters
+    to its gradient so far.
     """
 
     dq: _Acc = field(default_factory=_Acc)
@@ -107,6 +109,24 @@ def _add(acc: _Acc, key: Any, x: Array) -> None:
     else:
         acc[key] = acc[key] + x
         acc.owned.add(key)
+
+
+def _add_keys(p: Problem, acc: _Acc, x: Array, start: int, stop: int) -> None:
+    """``acc[None][..., start:stop, :] += x``: ``acc[None]`` is an item's gradient of all
+    ``S`` keys (``dK`` or ``dV``), zeros where no tile added. A tile of every key is added
+    as :func:`_add` adds; another into its rows of the sum, made (zeros) where there is
+    none yet: one addition per tile."""
+    if (start, stop) == (0, p.S):
+        _add(acc, None, x)
+        return
+    if None not in acc:
+        shape = (*tuple(x.shape[:-2]), p.S, int(x.shape[-1]))
+        acc[None] = p.xp.zeros(shape, dtype=x.dtype, device=p.device)
+        acc.owned.add(None)
+    elif None not in acc.owned:  # a tile of every key, kept as it is
+        acc[None] = p.xp.asarray(acc[None], copy=True)
+        acc.owned.add(None)
+    acc[None] = inplace.add_rows(p.xp, acc[None], start, stop, x)
 
 
 def _grid_pieces(plan: BackwardPlan, a: int, b: int) -> list[tuple[int, slice]]:
@@ -143,9 +163,8 @@ def _query_block(
             _add(sums.sink, None, sum_to_shape(xp, t.dsink, tuple(ops.terms.sink.shape)))
         dk = sum_to_shape(xp, t.dk, (*lead_k, z - a, p.E))
         dv = sum_to_shape(xp, t.dv, (*lead_v, z - a, p.Ev))
-        for c, piece in _grid_pieces(plan, a, z):
-            _add(sums.dk, c, dk[..., piece, :])
-            _add(sums.dv, c, dv[..., piece, :])
+        _add_keys(p, sums.dk, dk, a, z)
+        _add_keys(p, sums.dv, dv, a, z)
         if t.dz is not None:
             dz = sum_to_shape(xp, t.dz, tuple(tile_of(bias, rows, cols).shape))
             row_key = block.start if bias.shape[-2] != 1 else None
@@ -196,10 +215,10 @@ def _sum_items(b: BackwardOperands, items: list[tuple[Index, Any]], results: lis
         for start, dq in r.dq.items():
             total.dq[index, start] = dq
         k_index, v_index = _index_in(ops.k, index), _index_in(ops.v, index)
-        for c, dk in r.dk.items():
-            _add(total.dk, (k_index, c), dk)
-        for c, dv in r.dv.items():
-            _add(total.dv, (v_index, c), dv)
+        for dk in r.dk.values():
+            _add(total.dk, k_index, dk)
+        for dv in r.dv.values():
+            _add(total.dv, v_index, dv)
         b_index = _index_in(ops.terms.bias, index) if ops.terms.bias is not None else ()
         for (row_key, col_key), dz in r.bias.items():
             _add(total.bias, (b_index, row_key, col_key), dz)
@@ -288,19 +307,14 @@ class _Assembly:
 
     def key_value(self, acc: dict[Any, Array], like: Array, features: int) -> Array:
         """``dK`` or ``dV`` in ``like``'s padded shape (GQA: without the group axis)."""
-        lead = -3 if self.p.grouped else -2
-        grid = self._grid()
-        filled = self.rows_into(
-            like, lambda index: [((index, c), c, c + n) for c, n in grid], acc, features, lead
-        )
+        lead, S = (-3 if self.p.grouped else -2), self.p.S
+        filled = self.rows_into(like, lambda index: [(index, 0, S)], acc, features, lead)
         if filled is not None:
             return filled
         return self.stack(
             like,
             lambda index, shape: self.concat(
-                [acc.get((index, c)) for c, _ in grid],
-                [(*shape[:lead], n, features) for _, n in grid],
-                axis=-2,
+                [acc.get(index)], [(*shape[:lead], S, features)], axis=-2
             ),
         )
 
