@@ -27,6 +27,7 @@ __all__ = [
     "GRID_RESTRICTED",
     "MAX_BLOCK_K",
     "MIN_ROWS",
+    "MIN_ROWS_RESTRICTED",
     "TILE_BYTES",
     "BackwardBlock",
     "BackwardPlan",
@@ -107,6 +108,14 @@ GRID_RESTRICTED = 128
 #: backward pass needs no forward pass; fewer rows would make ``dK = dSᵀ Q``'s inner
 #: dimension too short to be fast.
 MIN_ROWS = 64
+
+#: Fewest query rows of such a tile when the restrictions bound the keys (causal): its
+#: tiles hold part of their rows' keys (half of them on average), so that 64-row tiles are
+#: narrow; 128 rows took 0.90 of the time of 64 in the causal VJP at 1x4x4096x64 on two
+#: threads (the widest tile then holds twice :data:`TILE_BYTES`), and more rows at shorter
+#: keys computed more of the excluded triangle at the diagonal than they saved (512 rows
+#: against 256 at 1024 keys: 1.11; docs/performance.md).
+MIN_ROWS_RESTRICTED = 128
 
 
 @dataclass(frozen=True)
@@ -381,7 +390,8 @@ def plan_backward(
     Tiles hold about :data:`TILE_BYTES` of scores per batch element, like the forward's (on
     a GPU, the forward's blocks, :data:`GPU_TILE_BYTES` for the whole batch). By
     default a tile holds whole rows (all ``S`` keys, and as many query rows as fit) when at
-    least :data:`MIN_ROWS` rows fit; otherwise, or when ``block_k`` is given, the blocks are
+    least :data:`MIN_ROWS` rows fit (and at least :data:`MIN_ROWS_RESTRICTED` rows where
+    the restrictions bound the keys); otherwise, or when ``block_k`` is given, the blocks are
     the forward's (:func:`choose_block_sizes`). The key grid is the key block, or
     :data:`GRID_RESTRICTED` when the restrictions make query blocks reach different keys and
     ``block_k`` is not given; tiles are then runs of grid blocks at most ``block_k``
@@ -392,7 +402,10 @@ def plan_backward(
     # on a GPU the forward's blocks already hold whole rows of the whole batch
     if block_k is None and not plans_for_gpu(p) and budget >= p.S * MIN_ROWS:
         bk = p.S
-        bq = min(block_q or balanced(p.L, max(BLOCK_ALIGN, budget // p.S)), p.L)
+        rows = budget // p.S
+        if r.bounds_keys:  # most tiles hold a part of their rows' keys
+            rows = max(rows, MIN_ROWS_RESTRICTED)
+        bq = min(block_q or balanced(p.L, max(BLOCK_ALIGN, rows)), p.L)
     grid = bk if block_k is not None or not r.bounds_keys else min(bk, GRID_RESTRICTED)
     width = -(-bk // grid) * grid
     blocks = []
