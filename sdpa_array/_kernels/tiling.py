@@ -402,10 +402,10 @@ def plan_backward(
     # on a GPU the forward's blocks already hold whole rows of the whole batch
     if block_k is None and not plans_for_gpu(p) and budget >= p.S * MIN_ROWS:
         bk = p.S
-        rows = budget // p.S
+        fit = budget // p.S
         if r.bounds_keys:  # most tiles hold a part of their rows' keys
-            rows = max(rows, MIN_ROWS_RESTRICTED)
-        bq = min(block_q or balanced(p.L, max(BLOCK_ALIGN, rows)), p.L)
+            fit = max(fit, MIN_ROWS_RESTRICTED)
+        bq = min(block_q or balanced(p.L, max(BLOCK_ALIGN, fit)), p.L)
     grid = bk if block_k is not None or not r.bounds_keys else min(bk, GRID_RESTRICTED)
     width = -(-bk // grid) * grid
     blocks = []
