@@ -9,6 +9,9 @@ other libraries, are never kept; at most ``MAX_ENTRIES`` signatures are.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+
 import numpy as np
 import pytest
 
@@ -158,3 +161,149 @@ def _plain_call():
     from sdpa_array._problem.outputs import Outputs
 
     return Options(), Outputs.of(False, False, False), "auto", (None, None)
+
+
+# --------------------------------------------------------------------------------------
+# direct calls: a kept plan that is torch's function on the three arrays alone
+# --------------------------------------------------------------------------------------
+
+
+def _tensors(shape=(2, 4, 6, 8), kv_shape=None, seed=0, dtype="float32"):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(seed)
+    q = torch.from_numpy(rng.standard_normal(shape).astype(dtype))
+    k, v = (torch.from_numpy(rng.standard_normal(kv_shape or shape).astype(dtype)) for _ in "kv")
+    return q, k, v
+
+
+@pytest.fixture
+def direct_lookups(monkeypatch):
+    """The direct calls the public forward found (``None`` where it found none)."""
+    seen: list = []
+    original = cache.direct
+
+    def recording(*args, **kwargs):
+        found = original(*args, **kwargs)
+        seen.append(found)
+        return found
+
+    monkeypatch.setattr(cache, "direct", recording)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("options", "kv_shape"),
+    [
+        pytest.param({}, None, id="plain"),
+        pytest.param({"is_causal": True}, None, id="causal"),
+        pytest.param({"is_causal": True}, (2, 4, 9, 8), id="causal-longer-keys"),
+        pytest.param({"scale": 0.3}, None, id="scale"),
+        pytest.param({"scale": 2}, None, id="int-scale"),
+        pytest.param({"enable_gqa": True}, (2, 2, 6, 8), id="gqa"),
+    ],
+)
+def test_a_direct_call_gives_the_planned_calls_result_and_gradients(
+    validations, direct_lookups, options, kv_shape
+):
+    """The second call of a signature runs the kept direct call (no validation): the same
+    bits as the planned call of the first, the same gradients, and the oracle's output."""
+    torch = pytest.importorskip("torch")
+    q, k, v = _tensors(kv_shape=kv_shape)
+    planned = sdpa_array.scaled_dot_product_attention(q, k, v, **options)
+    assert direct_lookups == [None]
+    assert len(validations) == 1
+    direct = sdpa_array.scaled_dot_product_attention(q, k, v, **options)
+    assert direct_lookups[-1] is not None
+    assert len(validations) == 1
+    assert direct.dtype == q.dtype
+    assert bool((direct == planned).all())
+    want = reference.scaled_dot_product_attention(*(a.numpy() for a in (q, k, v)), **options)
+    # float32 kernels against the float64 oracle: E = 8 features, |scores| of a few units
+    np.testing.assert_allclose(direct.numpy(), want, rtol=1e-4, atol=1e-5)
+
+    leaves = [[a.clone().requires_grad_() for a in (q, k, v)] for _ in range(2)]
+    outs = [sdpa_array.scaled_dot_product_attention(*xs, **options) for xs in leaves]
+    assert len(validations) == 2  # a tensor that requires a gradient: another signature
+    assert direct_lookups[-1] is not None  # the second of those two calls was direct
+    cotangent = torch.ones_like(outs[0])
+    grads = [torch.autograd.grad(out, xs, cotangent) for out, xs in zip(outs, leaves, strict=True)]
+    for planned_grad, direct_grad in zip(*grads, strict=True):
+        assert bool((planned_grad == direct_grad).all())
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda q, k, v: ((q, k, v), {"return_lse": True}), id="lse"),
+        pytest.param(lambda q, k, v: ((q, k, v), {"window": (2, 0)}), id="window"),
+        pytest.param(lambda q, k, v: ((q, k, v), {"key_lengths": 4}), id="lengths"),
+        pytest.param(lambda q, k, v: ((q, k, v), {"softcap": 5.0}), id="softcap"),
+        pytest.param(lambda q, k, v: ((q[:1], k, v), {}), id="broadcast-batch"),
+        pytest.param(lambda q, k, v: ((q.half(), k.half(), v.half()), {}), id="cpu-half-cast"),
+        pytest.param(lambda q, k, v: ((q, k, v), {"implementation": "blocked"}), id="blocked"),
+        pytest.param(
+            lambda q, k, v: ((q, k, v), {"is_causal": True, "alignment": "bottom_right"}),
+            id="bottom-right",
+        ),
+        pytest.param(
+            lambda q, k, v: ((q.double(), k.double(), v.double()), {"scale": q.new_tensor(0.5)}),
+            id="array-scale",
+        ),
+    ],
+)
+def test_calls_a_direct_call_would_change_keep_no_direct_call(call):
+    """Other outputs, options beyond the three, a cast, a broadcast batch, another
+    kernel, an array scale: the second call of the signature takes the kept plan (or is
+    planned anew), never a direct call."""
+    arrays, options = call(*_tensors())
+    first = sdpa_array.scaled_dot_product_attention(*arrays, **options)
+    assert not cache._direct
+    second = sdpa_array.scaled_dot_product_attention(*arrays, **options)
+    assert not cache._direct
+    pairs = zip(*(x if isinstance(x, tuple) else (x,) for x in (first, second)), strict=True)
+    for a, b in pairs:
+        assert bool((a == b).all())
+
+
+def test_options_at_other_values_skip_the_direct_lookup(direct_lookups):
+    """The public forward looks a direct call up only where every option but
+    ``is_causal``, ``scale`` and ``enable_gqa`` has its default, the output alone is asked
+    for and the layout is heads-first: each other keyword, at a value other than its
+    default, calls the planner (whether the call is then valid or not). A ``"BLHE"``
+    layout is computed as the heads-first call of the arrays' transposed views."""
+    torch = pytest.importorskip("torch")
+    q, k, v = _tensors()
+    sdpa_array.scaled_dot_product_attention(q, k, v)
+    assert len(direct_lookups) == 1  # the defaults look it up
+    parameters = inspect.signature(sdpa_array.scaled_dot_product_attention).parameters
+    looked_up = {"query", "key", "value", "is_causal", "scale", "enable_gqa", "implementation"}
+    others = {
+        "mask": q.new_ones((6, 6), dtype=torch.bool),
+        "bias": q.new_zeros((6, 6)),
+        "window": (2, 0),
+        "alignment": "bottom_right",
+        "softcap": 5.0,
+        "query_lengths": 3,
+        "key_lengths": 3,
+        "padding_side": "left",
+        "segment_ids": (q.new_zeros((2, 6), dtype=torch.int64),) * 2,
+        "sinks": q.new_zeros(4),
+        "dropout_p": 0.1,
+        "dropout_seed": 3,
+        "mask_mod": sdpa_array.mods.causal(),
+        "bias_mod": lambda b, h, i, j: (i - j) * 0.0,
+        "score_mod": lambda s, b, h, i, j: s,
+        "return_weights": True,
+        "return_lse": True,
+        "return_max_scores": True,
+        "block_q": 2,
+        "block_k": 2,
+    }
+    # a "BLHE" call is the heads-first call of its transposed views, which may be direct
+    assert set(parameters) - looked_up == {*others, "layout"}
+    for name, value in others.items():
+        assert parameters[name].default is not value
+        # e.g. a dropout probability without a seed: the planner says so
+        with contextlib.suppress(TypeError, ValueError):
+            sdpa_array.scaled_dot_product_attention(q, k, v, **{name: value})
+        assert len(direct_lookups) == 1, name

@@ -18,6 +18,17 @@ are planned every time. At most :data:`MAX_ENTRIES` signatures are kept, the lea
 used dropped first; :func:`clear` forgets them all, and must be called after changing the
 dispatch's own settings (its thresholds, the native kernels' table), which a kept plan does
 not read again.
+
+*Direct calls.* Where such a plan delegates the whole call to one library function whose
+output is the public function's as it is
+(:attr:`~sdpa_array._kernels.native.delegation.Delegation.direct`: torch's
+``scaled_dot_product_attention`` without a mask, a cast or lengths), and the call has no
+option but ``is_causal``, ``scale`` and ``enable_gqa`` (every other at its default, the
+output alone asked for), that function is kept too (:func:`keep_direct`): the public forward
+looks it up by the arrays' signatures and those three options before it builds anything
+(:func:`direct`), and a later call of that signature costs a few microseconds beside the
+function itself. The function receives the same arrays and options that the planned call
+gives it, so the result and its autograd are the same.
 """
 
 from __future__ import annotations
@@ -25,22 +36,29 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from .._arrays.compat import plain_signature
 from .._arrays.typing import Array
 from .._problem.options import Options
 from .._problem.outputs import Outputs
-from .._problem.problem import Problem
+from .._problem.problem import Inputs, Problem
 from .dispatch import Choice
 
-__all__ = ["MAX_ENTRIES", "clear", "lookup", "signature", "store"]
+__all__ = ["MAX_ENTRIES", "clear", "direct", "keep_direct", "lookup", "signature", "store"]
 
 #: Most signatures kept.
 MAX_ENTRIES = 256
 
 _entries: OrderedDict[tuple[Any, ...], tuple[Problem, Choice]] = OrderedDict()
 _lock = threading.Lock()
+
+#: Direct calls by :func:`_direct_key`; at most :data:`MAX_ENTRIES`, emptied when full.
+_direct: dict[tuple[Any, ...], Callable[[Any, Any, Any], Any]] = {}
+
+#: The types of ``scale`` :func:`_direct_key` takes.
+_DIRECT_SCALE_TYPES = frozenset({type(None), int, float})
 
 
 def signature(
@@ -85,6 +103,65 @@ def store(sig: tuple[Any, ...], problem: Problem, choice: Choice) -> None:
 
 
 def clear() -> None:
-    """Forget every kept plan."""
+    """Forget every kept plan and direct call."""
     with _lock:
         _entries.clear()
+        _direct.clear()
+
+
+def _direct_key(
+    query: Array, key: Array, value: Array, options: tuple[Any, Any, Any], implementation: Any
+) -> tuple[Any, ...] | None:
+    """The arrays' signatures, the three options (``is_causal``, ``scale``,
+    ``enable_gqa``) with the type of ``scale``, and the implementation; ``None`` where one
+    of them is not of a kind a direct call is kept for (two bools, ``None`` or a number, a
+    string)."""
+    is_causal, scale, enable_gqa = options
+    if type(is_causal) is not bool or type(enable_gqa) is not bool:
+        return None
+    if type(scale) not in _DIRECT_SCALE_TYPES or type(implementation) is not str:
+        return None
+    arrays = (plain_signature(query), plain_signature(key), plain_signature(value))
+    if arrays[0] is None or arrays[1] is None or arrays[2] is None:
+        return None
+    return (*arrays, is_causal, type(scale), scale, enable_gqa, implementation)
+
+
+def direct(
+    query: Array, key: Array, value: Array, options: tuple[Any, Any, Any], implementation: Any
+) -> Callable[[Any, Any, Any], Any] | None:
+    """The direct call kept for a forward call with these arrays, ``options``
+    (``is_causal``, ``scale``, ``enable_gqa``; every other option at its default, the
+    output alone asked for) and ``implementation``, if any."""
+    if not _direct:
+        return None
+    found = _direct_key(query, key, value, options, implementation)
+    return None if found is None else _direct.get(found)
+
+
+def keep_direct(
+    x: Inputs,
+    options: Options,
+    outputs: Outputs,
+    implementation: Any,
+    blocks: tuple[Any, Any],
+    choice: Choice,
+) -> None:
+    """Keep ``choice``'s direct call for the signature of a call planned with it, where
+    there is one and the call is of the kind :func:`direct` looks up."""
+    planned = choice.planned
+    if choice.name != "native" or planned is None or planned[1].direct is None:
+        return
+    if outputs != Outputs() or blocks != (None, None) or options.scalar_signature() is None:
+        return
+    three = (options.is_causal, options.scale, options.enable_gqa)
+    defaults = Options(is_causal=three[0], scale=three[1], enable_gqa=three[2])
+    if options.scalar_signature() != defaults.scalar_signature():
+        return
+    found = _direct_key(x.query, x.key, x.value, three, implementation)
+    if found is None:
+        return
+    with _lock:
+        if len(_direct) >= MAX_ENTRIES:
+            _direct.clear()
+        _direct[found] = planned[1].direct

@@ -73,6 +73,7 @@ def plan_forward(
             if choice.name == "native":  # the kernel's call holds this call's arrays
                 request = Request(x, outputs)
                 choice = dataclasses.replace(choice, planned=(request, plan_native(p, request)))
+                cache.keep_direct(x, options, outputs, implementation, blocks, choice)
             return Plan(p, x, outputs, choice)
     p = validate(query, key, value, options) if problem is None else problem
     x = Inputs.of(query, key, value, options, p)
@@ -80,6 +81,7 @@ def plan_forward(
     choice = choose(p, implementation, blocks, request=request)
     if sig is not None:
         cache.store(sig, p, choice)
+        cache.keep_direct(x, options, outputs, implementation, blocks, choice)
     return Plan(p, x, outputs, choice)
 
 

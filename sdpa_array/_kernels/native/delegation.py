@@ -97,6 +97,12 @@ class Delegation:
         (torch's kernels that return it mark it non-differentiable, so a loss on it would
         silently lose that part of the gradient: :mod:`sdpa_array._plan.autograd` then
         differentiates the call through our backward kernels).
+    direct : callable or None
+        The kernel as a function of ``(query, key, value)`` alone that returns the public
+        function's output as it is, where the call needs nothing else (no mask, bias, cast,
+        padding, broadcast or row without an admissible key); it holds no array of the
+        call, so that a later call of the same signature may use it
+        (:mod:`sdpa_array._plan.cache`). ``None`` otherwise.
     """
 
     kernel: str
@@ -105,6 +111,7 @@ class Delegation:
     run: Callable[[], AttentionResult]
     twice_differentiable: bool = True
     lse_differentiable: bool = True
+    direct: Callable[[Any, Any, Any], Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from .delegation import (
     four_d_term,
     from_four_d,
     kernel_causal,
+    kernel_dtype,
     refuse,
     scale_option,
     score_terms,
@@ -70,7 +71,26 @@ def plan_torch_public(p: Problem, req: Request) -> Delegation:
         memory_efficient=True,
         builds_mask=builds_mask(p, has_terms),
         run=run,
+        direct=None if has_terms else _direct_call(p, req),
     )
+
+
+def _direct_call(p: Problem, req: Request) -> Any:
+    """torch's function with this call's options bound, where its output is the public
+    function's as it is (:attr:`Delegation.direct`), else ``None``: no mask or bias beyond
+    the kernel's own ``is_causal``, no lengths or segments, the caller's dtype (the kernel's
+    on the CPU is float32 for half-precision inputs), a number as ``scale``, and a query
+    with the output's batch shape (nothing to broadcast)."""
+    if p.has_sequences or builds_mask(p, False) or p.scale_is_array:
+        return None
+    if kernel_dtype(p) != p.dtype or tuple(req.inputs.query.shape[:-1]) != p.out_shape[:-1]:
+        return None
+    import torch
+
+    options: dict[str, Any] = {"is_causal": kernel_causal(p, False), "scale": scale_option(p)}
+    if p.grouped:
+        options["enable_gqa"] = True
+    return functools.partial(torch.nn.functional.scaled_dot_product_attention, **options)
 
 
 def _torch_cpu_flash() -> Any:
