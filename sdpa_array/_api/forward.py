@@ -377,14 +377,18 @@ def scaled_dot_product_attention(
     array([[0.986, 1.   , 0.   ],
            [1.   , 1.   , 0.   ]])
     """
-    if (  # every option but three at its default: a direct call kept for these arrays?
+    # every option but three at its default (compared so that no value of another type
+    # is asked for its truth): a direct call kept for these arrays?
+    if (
         mask is None
         and bias is None
         and window is None
+        and type(alignment) is str
         and alignment == "top_left"
         and softcap is None
         and query_lengths is None
         and key_lengths is None
+        and type(padding_side) is str
         and padding_side == "right"
         and segment_ids is None
         and sinks is None
@@ -399,6 +403,7 @@ def scaled_dot_product_attention(
         and return_max_scores is False
         and block_q is None
         and block_k is None
+        and type(layout) is str
         and layout == "BHLE"
     ):
         run = cache.direct(query, key, value, (is_causal, scale, enable_gqa), implementation)
