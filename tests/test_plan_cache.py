@@ -249,12 +249,17 @@ def test_a_direct_call_gives_the_planned_calls_result_and_gradients(
             lambda q, k, v: ((q.double(), k.double(), v.double()), {"scale": q.new_tensor(0.5)}),
             id="array-scale",
         ),
+        pytest.param(lambda q, k, v: ((q, k[:, :, :0], v[:, :, :0]), {}), id="no-keys"),
+        pytest.param(lambda q, k, v: ((q[:, :, :0], k, v), {}), id="no-queries"),
+        pytest.param(lambda q, k, v: ((q, k, v), {"is_causal": np.True_}), id="numpy-bool"),
+        pytest.param(lambda q, k, v: ((q, k, v), {"scale": np.float64(0.5)}), id="numpy-float"),
     ],
 )
 def test_calls_a_direct_call_would_change_keep_no_direct_call(call):
     """Other outputs, options beyond the three, a cast, a broadcast batch, another
-    kernel, an array scale: the second call of the signature takes the kept plan (or is
-    planned anew), never a direct call."""
+    kernel, an array scale, an empty call (which runs no kernel), options of other types
+    than the direct calls' keys take: the second call of the signature takes the kept plan
+    (or is planned anew), never a direct call."""
     arrays, options = call(*_tensors())
     first = sdpa_array.scaled_dot_product_attention(*arrays, **options)
     assert not cache._direct
@@ -302,8 +307,27 @@ def test_options_at_other_values_skip_the_direct_lookup(direct_lookups):
     # a "BLHE" call is the heads-first call of its transposed views, which may be direct
     assert set(parameters) - looked_up == {*others, "layout"}
     for name, value in others.items():
-        assert parameters[name].default is not value
         # e.g. a dropout probability without a seed: the planner says so
         with contextlib.suppress(TypeError, ValueError):
             sdpa_array.scaled_dot_product_attention(q, k, v, **{name: value})
         assert len(direct_lookups) == 1, name
+
+
+def test_a_direct_call_follows_the_grad_mode_and_clear_forgets_it(validations):
+    """A call kept under ``torch.no_grad`` runs directly with gradients on (torch's own
+    function records its graph, as the planned call's does); :func:`cache.clear` forgets
+    the direct calls with the plans."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (a.requires_grad_() for a in _tensors())
+    with torch.no_grad():
+        quiet = sdpa_array.scaled_dot_product_attention(q, k, v)
+    assert quiet.grad_fn is None
+    assert cache._direct
+    out = sdpa_array.scaled_dot_product_attention(q, k, v)
+    assert len(validations) == 1
+    assert out.grad_fn is not None
+    assert bool((out.detach() == quiet).all())
+    cache.clear()
+    assert not cache._direct
+    sdpa_array.scaled_dot_product_attention(q, k, v)
+    assert len(validations) == 2

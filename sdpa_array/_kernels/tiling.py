@@ -364,7 +364,8 @@ class BackwardPlan:
     block_q : int
         Query block length.
     grid : int
-        Key grid block length: the unit in which ``dK``, ``dV`` and ``dBias`` are summed.
+        Key grid block length: tiles start and end on it, and ``dBias`` is summed in its
+        blocks.
     width : int
         Longest key tile (a multiple of ``grid``).
     blocks : tuple of BackwardBlock

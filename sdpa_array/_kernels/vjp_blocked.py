@@ -119,12 +119,12 @@ def _add_keys(p: Problem, acc: _Acc, x: Array, start: int, stop: int) -> None:
     if (start, stop) == (0, p.S):
         _add(acc, None, x)
         return
-    if None not in acc:
+    if None not in acc.owned:
         shape = (*tuple(x.shape[:-2]), p.S, int(x.shape[-1]))
-        acc[None] = p.xp.zeros(shape, dtype=x.dtype, device=p.device)
-        acc.owned.add(None)
-    elif None not in acc.owned:  # a tile of every key, kept as it is
-        acc[None] = p.xp.asarray(acc[None], copy=True)
+        whole = p.xp.zeros(shape, dtype=x.dtype, device=p.device)
+        if None in acc:  # a tile of every key, kept as it is
+            whole = inplace.add(whole, acc[None])
+        acc[None] = whole
         acc.owned.add(None)
     acc[None] = inplace.add_rows(p.xp, acc[None], start, stop, x)
 

@@ -77,11 +77,13 @@ def plan_torch_public(p: Problem, req: Request) -> Delegation:
 
 def _direct_call(p: Problem, req: Request) -> Any:
     """torch's function with this call's options bound, where its output is the public
-    function's as it is (:attr:`Delegation.direct`), else ``None``: no mask or bias beyond
-    the kernel's own ``is_causal``, no lengths or segments, the caller's dtype (the kernel's
-    on the CPU is float32 for half-precision inputs), a number as ``scale``, and a query
-    with the output's batch shape (nothing to broadcast)."""
-    if p.has_sequences or builds_mask(p, False) or p.scale_is_array:
+    function's as it is (:attr:`Delegation.direct`), else ``None``: queries and keys (an
+    empty call runs no kernel), no mask or bias beyond the kernel's own ``is_causal``, no
+    lengths or segments, the caller's dtype (the kernel's on the CPU is float32 for
+    half-precision inputs), a number as ``scale``, and a query with the output's batch
+    shape (nothing to broadcast). The function is looked up at each call, as the planned
+    call looks it up."""
+    if p.L == 0 or p.S == 0 or p.has_sequences or builds_mask(p, False) or p.scale_is_array:
         return None
     if kernel_dtype(p) != p.dtype or tuple(req.inputs.query.shape[:-1]) != p.out_shape[:-1]:
         return None
@@ -90,7 +92,11 @@ def _direct_call(p: Problem, req: Request) -> Any:
     options: dict[str, Any] = {"is_causal": kernel_causal(p, False), "scale": scale_option(p)}
     if p.grouped:
         options["enable_gqa"] = True
-    return functools.partial(torch.nn.functional.scaled_dot_product_attention, **options)
+
+    def direct(query: Any, key: Any, value: Any) -> Any:
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, **options)
+
+    return direct
 
 
 def _torch_cpu_flash() -> Any:
