@@ -111,7 +111,7 @@ MIN_ROWS = 64
 
 #: Fewest query rows of such a tile when the restrictions bound the keys (causal): its
 #: tiles hold part of their rows' keys (half of them on average), so that 64-row tiles are
-#: narrow; 128 rows took 0.90 of the time of 64 in the causal VJP at 1x4x4096x64 on two
+#: narrow; 128 rows took 0.88 of the time of 64 in the causal VJP at 1x4x4096x64 on two
 #: threads (the widest tile then holds twice :data:`TILE_BYTES`), and more rows at shorter
 #: keys computed more of the excluded triangle at the diagonal than they saved (512 rows
 #: against 256 at 1024 keys: 1.11; docs/performance.md).
