@@ -152,10 +152,11 @@ def keep_direct(
     planned = choice.planned
     if choice.name != "native" or planned is None or planned[1].direct is None:
         return
-    if outputs != Outputs() or blocks != (None, None) or options.scalar_signature() is None:
+    if outputs != Outputs() or blocks != (None, None):
         return
     three = (options.is_causal, options.scale, options.enable_gqa)
     defaults = Options(is_causal=three[0], scale=three[1], enable_gqa=three[2])
+    # None (an option holding an array or a function) differs from the defaults' too
     if options.scalar_signature() != defaults.scalar_signature():
         return
     found = _direct_key(x.query, x.key, x.value, three, implementation)
