@@ -198,7 +198,9 @@ def test_refused_for_lazy_dask_arrays():
 
 def test_not_taken_with_max_scores(monkeypatch):
     calls = []
-    monkeypatch.setattr(blocked, "fixed_reference", lambda p, ops: calls.append(1) or True)
+    monkeypatch.setattr(
+        blocked, "fixed_reference", lambda p, ops, bound=None: calls.append(1) or True
+    )
     q, k, v = _unit()
     sdpa_array.scaled_dot_product_attention(
         q, k, v, implementation="blocked", return_max_scores=True
@@ -229,8 +231,8 @@ def _forced(monkeypatch, module, fixed: bool) -> list[bool]:
     records what :func:`score_bound.fixed_reference` decided for each call."""
     decided: list[bool] = []
 
-    def forced(p, ops):
-        decided.append(score_bound.fixed_reference(p, ops))
+    def forced(p, ops, bound=None):
+        decided.append(score_bound.fixed_reference(p, ops, bound))
         return fixed
 
     monkeypatch.setattr(module, "fixed_reference", forced)

@@ -15,6 +15,16 @@ tiles' partial results add up anyway, and chunks below :data:`CHUNK` cost 8-18 %
 large backward pass (smaller products). Other libraries (torch,
 JAX, CuPy, Dask, whose kernels run on other BLAS or on a device, where each chunk would be a
 launch) get one product.
+
+The scores ``q kᵀ`` sum over the features, whose chain (64 or 128 long) is short, but their
+error is the whole call's where the scores are large: a score's rounding error grows with its
+magnitude and shifts its weight by as much, so at logits of ~1e3 the float32 output's error
+is 3-6x what correctly rounded scores would give (1.5x at unit logits; one thread, the shapes
+of ``asv_benchmarks/accuracy_gaps.py``; docs/performance.md, issue 28). :func:`scores` takes
+``chunks`` (:func:`score_chunks`: at least two, of at most :data:`SCORE_CHUNK` features): the
+blocked kernels pass it where the call's score bound exceeds the fixed reference's limit
+(:func:`~sdpa_array._kernels.score_bound.chunks_from_bound`), the materialized ones always
+(their calls are small: reading the bound would cost more than the chunks).
 """
 
 from __future__ import annotations
@@ -32,10 +42,12 @@ __all__ = [
     "BATCHED_BYTES",
     "BATCHED_CHUNKS",
     "CHUNK",
+    "SCORE_CHUNK",
     "SHORT_CHUNK",
     "SPLIT_LIBRARIES",
     "TRANSPOSE_LIBRARIES",
     "matmul",
+    "score_chunks",
     "scores",
     "transposes",
 ]
@@ -59,6 +71,21 @@ BATCHED_BYTES = 4 * 2**20
 #: Namespaces (as :func:`namespace_name` spells them) on OpenBLAS through NumPy.
 SPLIT_LIBRARIES = frozenset({"numpy", "array_api_strict"})
 
+#: Most features per chunk of the scores' contraction where :func:`score_chunks` cuts it.
+SCORE_CHUNK = 64
+
+#: Fewest features per chunk: smaller contractions stay whole.
+MIN_SCORE_CHUNK = 16
+
+
+def score_chunks(xp: ModuleType, features: int) -> int:
+    """Into how many chunks :func:`scores` cuts ``q kᵀ`` over ``features`` where the scores
+    may be large: on :data:`SPLIT_LIBRARIES`, at least two and at most :data:`SCORE_CHUNK`
+    features each (none below :data:`MIN_SCORE_CHUNK`); elsewhere one product."""
+    if namespace_name(xp) not in SPLIT_LIBRARIES or features < 2 * MIN_SCORE_CHUNK:
+        return 1
+    return max(2, -(-features // SCORE_CHUNK))
+
 
 #: Namespaces (NumPy's OpenBLAS) whose ``a @ bᵀ`` with many more columns than rows runs
 #: faster as ``(b @ aᵀ)ᵀ``: 128 x 2048 scores from 64 features take 1.15x the time of the
@@ -72,10 +99,17 @@ def transposes(xp: ModuleType, a: Array, b: Array) -> bool:
     return namespace_name(xp) in TRANSPOSE_LIBRARIES and int(b.shape[-2]) > int(a.shape[-2])
 
 
-def scores(xp: ModuleType, a: Array, b: Array, *, transposed: bool) -> Array:
+def scores(xp: ModuleType, a: Array, b: Array, *, transposed: bool, chunks: int = 1) -> Array:
     """``a @ bᵀ``; ``transposed`` (where :func:`transposes` says so): as the transposed view
     of ``b @ aᵀ``, whose rows are strided (a reduction along them is best a product, as in
-    :func:`~sdpa_array._kernels.softmax.row_sum`)."""
+    :func:`~sdpa_array._kernels.softmax.row_sum`). ``chunks`` (:func:`score_chunks`): the
+    contraction cut into that many balanced chunks whose products are added in order, where
+    both operands have more than one row (a product with one row is a matrix-vector one,
+    whose BLAS kernel already sums in several short chains)."""
+    if chunks > 1 and min(int(a.shape[-2]), int(b.shape[-2])) > 1:
+        if transposed:
+            return xp.matrix_transpose(_chunked_scores(xp, b, a, chunks))
+        return _chunked_scores(xp, a, b, chunks)
     if transposed:
         return xp.matrix_transpose(xp.matmul(b, xp.matrix_transpose(a)))
     return xp.matmul(a, xp.matrix_transpose(b))
@@ -101,6 +135,32 @@ def matmul(xp: ModuleType, a: Array, b: Array, whole: int | None = None) -> Arra
     for start in range(size, k, size):
         stop = min(start + size, k)
         out = inplace.add(out, xp.matmul(a[..., start:stop], b[..., start:stop, :]))
+    return out
+
+
+def _chunked_scores(xp: ModuleType, a: Array, b: Array, count: int) -> Array:
+    """``a @ bᵀ`` from ``count`` balanced chunks of the contraction, added in order: on
+    NumPy, where they split evenly and their stack fits :data:`BATCHED_BYTES`, one stacked
+    product whose slices are added into the first; else a product per chunk."""
+    k = int(a.shape[-1])
+    size = -(-k // count)
+    if namespace_name(xp) == "numpy" and k == count * size:
+        m, n = int(a.shape[-2]), int(b.shape[-2])
+        lead_a, lead_b = tuple(a.shape[:-2]), tuple(b.shape[:-2])
+        lead = math.prod(inplace._broadcast_shape(lead_a, lead_b) or ())
+        if lead * count * m * n * a.dtype.itemsize <= BATCHED_BYTES:
+            pieces_a = np.moveaxis(np.reshape(a, (*lead_a, m, count, size)), -2, -3)
+            pieces_b = np.moveaxis(np.reshape(b, (*lead_b, n, count, size)), -2, -3)
+            stack = np.matmul(pieces_a, np.swapaxes(pieces_b, -1, -2))
+            out = stack[..., 0, :, :]
+            for i in range(1, count):
+                np.add(out, stack[..., i, :, :], out=out)
+            return out
+    out = xp.matmul(a[..., :size], xp.matrix_transpose(b[..., :size]))
+    for start in range(size, k, size):
+        stop = min(start + size, k)
+        part = xp.matmul(a[..., start:stop], xp.matrix_transpose(b[..., start:stop]))
+        out = inplace.add(out, part)
     return out
 
 

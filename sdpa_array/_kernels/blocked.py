@@ -31,7 +31,7 @@ from .layout import broadcast_if_needed, concat, ungroup
 from .materialized import materialized_attention
 from .operands import Operands, fixed_weights, prepare, tile_scores_and_maxima
 from .result import AttentionResult
-from .score_bound import fixed_reference
+from .score_bound import chunks_from_bound, fixed_reference
 from .softmax import exp_shift, log_sum_exp, row_sum, safe_reciprocal
 from .tiling import (
     QueryBlock,
@@ -199,7 +199,8 @@ def blocked_attention(
         at_least=len(p.sequence_batch) if per_sequence else 0,
     )
     maxima = outputs.max_scores
-    fixed = not maxima and not plans_for_gpu(p) and fixed_reference(p, ops)
+    ops, bound = chunks_from_bound(p, ops)  # products cut where the scores may be large
+    fixed = not maxima and not plans_for_gpu(p) and fixed_reference(p, ops, bound)
     if fixed and inplace.has_exp2(xp):  # exp2 of the scores times log2(e): faster than exp
         ops = ops.in_base2(in_place=True)  # the operands before are not used again
     slices = {index: ops.at(index) for index in outer}

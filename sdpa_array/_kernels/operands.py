@@ -83,6 +83,11 @@ class Operands:
         The excluded pairs of tiles, by :meth:`Restrictions.mask_key` (a key names one
         mask in every batch slice), built once for the call and shared by the slices of
         :meth:`at` (:data:`KEPT_MASKS` of at most :data:`KEPT_MASK_PAIRS` pairs).
+    score_chunks : int
+        Chunks of the scores' contraction: :func:`~sdpa_array._arrays.products.score_chunks`
+        from :func:`prepare`, which the materialized kernels keep; the blocked ones take 1
+        where the call's score bound keeps every score small
+        (:func:`~.score_bound.chunks_from_bound`).
     """
 
     q: Array
@@ -92,6 +97,7 @@ class Operands:
     restrictions: Restrictions
     dropout: Dropout | None = None
     masks: dict[Hashable, Array] = field(default_factory=dict, compare=False, repr=False)
+    score_chunks: int = 1
 
     def at(self, index: tuple[int, ...]) -> Operands:
         """The operands of the outer batch slice ``index``."""
@@ -105,6 +111,7 @@ class Operands:
             restrictions=self.restrictions.at(index),
             dropout=None if self.dropout is None else self.dropout.at(index),
             masks=self.masks,
+            score_chunks=self.score_chunks,
         )
 
     def in_base2(self, *, in_place: bool = False) -> Operands:
@@ -191,6 +198,7 @@ def prepare(p: Problem, x: Inputs) -> Operands:
         terms=terms,
         restrictions=Restrictions(tuple(members), p.L, p.S),
         dropout=dropout,
+        score_chunks=products.score_chunks(xp, p.E),
     )
 
 
@@ -316,7 +324,9 @@ def _tile(
     """The tile's final scores, their factor, row maxima and score-function input;
     ``transposed``: the product is a transposed view (:func:`~.products.scores`)."""
     xp = p.xp
-    raw = products.scores(xp, q_rows, ops.k[..., cols, :], transposed=transposed)
+    raw = products.scores(
+        xp, q_rows, ops.k[..., cols, :], transposed=transposed, chunks=ops.score_chunks
+    )
     scaled = ops.terms.scaled(raw) if maxima and ops.terms.changes_scores else None
     s, factor, kept = ops.terms.apply(xp, raw, rows, cols, need_factor=need_factor)
     if scaled is None:

@@ -15,18 +15,26 @@ non-zero ``|v|`` times ``e^-T · eps`` above the smallest normal one. Where the 
 known (a bias or a caller's function, which may add anything), where a value cannot be read
 without waiting for a device or computing a lazy graph (:func:`known_value`), or where a
 check fails (a NaN fails them all), the kernels keep the running maximum.
+
+The same bound decides where NumPy's blocked kernels cut the scores' contraction into chunks
+(:func:`chunks_from_bound`): above the limit the scores' own rounding is most of the
+output's error (:mod:`sdpa_array._arrays.products`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 from .._arrays.compat import known_value
 from .._arrays.typing import Array
 from .._problem.problem import Problem
-from .operands import Operands
 
-__all__ = ["exponent_limit", "fixed_reference"]
+if TYPE_CHECKING:
+    from .operands import Operands
+
+__all__ = ["chunks_from_bound", "exponent_limit", "fixed_reference", "product_bound"]
 
 
 def exponent_limit(p: Problem) -> float:
@@ -70,10 +78,40 @@ def _largest_norm(p: Problem, x: Array) -> float | None:
     return None if squares is None else top * math.sqrt(squares * growth)
 
 
-def fixed_reference(p: Problem, ops: Operands) -> bool:
+def product_bound(p: Problem, ops: Operands) -> float:
+    """Cauchy-Schwarz's bound on ``|scale · q·k|``, ``|scale| · max‖q_i‖ · max‖k_j‖``, read
+    on the host: ``inf`` where it cannot be read (a NaN or an infinity, a lazy array), 0
+    where there are no scores."""
+    if any(math.prod(a.shape) == 0 for a in (ops.q, ops.k)):
+        return 0.0
+    scale = 1.0 if ops.terms.scale_in_query else known_value(ops.terms.scale)
+    if scale is None:
+        return math.inf
+    q_norm = _largest_norm(p, ops.q)
+    k_norm = None if q_norm is None else _largest_norm(p, ops.k)
+    if q_norm is None or k_norm is None:
+        return math.inf
+    return abs(scale) * q_norm * k_norm
+
+
+def chunks_from_bound(p: Problem, ops: Operands) -> tuple[Operands, float | None]:
+    """``ops`` with one product per tile's scores where :func:`product_bound` keeps them
+    within ``±T`` (:func:`exponent_limit`), and the bound (``None`` where the operands
+    take one product anyway and it was not read): the scores' contraction is cut
+    (:func:`~sdpa_array._arrays.products.score_chunks`) only where they may be large."""
+    if ops.score_chunks == 1:
+        return ops, None
+    bound = product_bound(p, ops)
+    if bound <= exponent_limit(p):
+        ops = dataclasses.replace(ops, score_chunks=1)
+    return ops, bound
+
+
+def fixed_reference(p: Problem, ops: Operands, bound: float | None = None) -> bool:
     """Whether every score of the call lies within ``±T`` (:func:`exponent_limit`) and the
     values keep their digits under weights in ``[e^-T, e^T]``: the softmax may then take
-    ``exp(score)`` with a reference of 0 for every row."""
+    ``exp(score)`` with a reference of 0 for every row. ``bound``: :func:`product_bound`,
+    where the caller has read it."""
     terms = ops.terms
     if terms.bias is not None or terms.bias_mod is not None or terms.score_mod is not None:
         return False
@@ -81,14 +119,9 @@ def fixed_reference(p: Problem, ops: Operands) -> bool:
         return False  # nothing to bound (an empty batch, no features)
     xp = p.xp
     limit = exponent_limit(p)
-    scale = 1.0 if terms.scale_in_query else known_value(terms.scale)
-    if scale is None:
+    bound = product_bound(p, ops) if bound is None else bound
+    if not math.isfinite(bound):  # not read: a NaN, an infinity, a lazy array
         return False
-    q_norm = _largest_norm(p, ops.q)
-    k_norm = None if q_norm is None else _largest_norm(p, ops.k)
-    if q_norm is None or k_norm is None:
-        return False
-    bound = abs(scale) * q_norm * k_norm
     if terms.softcap is not None:
         bound = min(bound, terms.softcap)
     if not bound <= limit:  # NaN fails too

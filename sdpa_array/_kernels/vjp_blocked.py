@@ -51,7 +51,7 @@ from .layout import concat, sum_to_shape
 from .operands import prepare
 from .restrictions import TileKind
 from .result import RawGrads
-from .score_bound import fixed_reference
+from .score_bound import chunks_from_bound, fixed_reference
 from .tiling import (
     BackwardBlock,
     BackwardPlan,
@@ -390,6 +390,7 @@ def blocked_vjp(
         Block sizes (see :func:`~sdpa_array._kernels.tiling.plan_backward`).
     """
     ops = prepare(p, x)
+    ops, bound = chunks_from_bound(p, ops)  # products cut where the scores may be large
     plan = plan_backward(p, ops.restrictions, block_q, block_k)
     sink_needs_lse = x.sinks is not None and grad_lse is not None
     if out is None and (not plan.rows_fit_one_tile or sink_needs_lse):
@@ -409,7 +410,7 @@ def blocked_vjp(
     items = _deal(plan, slices)
     parts = {index: b.at(index) for index in slices}
     # tiles holding whole rows take their own softmax: a fixed reference where it is safe
-    fixed = b.lse is None and not plans_for_gpu(p) and fixed_reference(p, ops)
+    fixed = b.lse is None and not plans_for_gpu(p) and fixed_reference(p, ops, bound)
     results = map_blocks(p.xp, lambda item: _item(p, plan, parts[item[0]], item[1], fixed), items)
     sums = _sum_items(b, items, results)
     del results

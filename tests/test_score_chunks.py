@@ -1,0 +1,129 @@
+"""The scores' contraction in chunks where the scores may be large (``products.scores``'s
+``chunks``, decided by ``score_bound.chunks_from_bound``).
+
+A score's rounding error grows with its magnitude, and ``exp`` turns it into the same
+relative error of its weight: at logits of ~1e3 it is the float32 output's whole error.
+OpenBLAS sums each score in one chain along the features; two chains of half the length,
+added, have about ``1/√2`` of its error (a chain's error grows with its length, the errors
+of independent chains add in quadrature). These tests check that the chunked scores are the
+product within the worst-case rounding bound of their chains, that they are cut exactly
+where the call's score bound exceeds the fixed reference's limit (and on the libraries whose
+BLAS sums in one chain), and that on OpenBLAS their error is below the single product's by
+that factor (1M scores, so that the ratio is tight).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sdpa_array._arrays import products
+from sdpa_array._arrays.compat import array_namespace
+from sdpa_array._kernels import score_bound
+from sdpa_array._kernels.operands import prepare
+from sdpa_array._problem.options import Options
+from sdpa_array._problem.problem import Inputs, validate
+
+LARGE = 31.6  # q and k times this: logits ~ 1e3 at 64 features
+
+
+def _gamma(n: int, dtype) -> float:
+    """Higham's ``γ_n = n u / (1 - n u)``: a chain of ``n`` roundings."""
+    u = float(np.finfo(dtype).eps) / 2
+    return n * u / (1 - n * u)
+
+
+@pytest.mark.parametrize("features", [32, 48, 64, 100, 128, 256])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("lead", [(), (2, 3)])
+def test_chunked_scores_within_their_chains_bound(features, transposed, lead):
+    """Within ``γ_(size+count) Σ|a||b|`` of the exact product: each chunk's chain of ``size``
+    products, then ``count - 1`` additions (a wrong slice or a lost chunk is far outside)."""
+    rng = np.random.default_rng(features)
+    a = rng.standard_normal((*lead, 37, features)).astype(np.float32)
+    b = rng.standard_normal((*lead, 29, features)).astype(np.float32)
+    xp = array_namespace({"a": a})
+    count = products.score_chunks(xp, features)
+    assert count == max(2, -(-features // products.SCORE_CHUNK))
+    got = products.scores(xp, a, b, transposed=transposed, chunks=count)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    exact = a64 @ np.swapaxes(b64, -1, -2)
+    magnitude = np.abs(a64) @ np.swapaxes(np.abs(b64), -1, -2)
+    size = -(-features // count)
+    assert got.shape == exact.shape
+    assert np.all(np.abs(got - exact) <= _gamma(size + count, np.float32) * magnitude)
+
+
+def test_chunked_scores_on_array_api_strict():
+    strict = pytest.importorskip("array_api_strict")
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal((2, 9, 64)).astype(np.float32) for _ in range(2))
+    xa, xb = strict.asarray(a), strict.asarray(b)
+    xp = array_namespace({"a": xa})
+    assert products.score_chunks(xp, 64) == 2
+    got = np.asarray(products.scores(xp, xa, xb, transposed=False, chunks=2))
+    exact = a.astype(np.float64) @ np.swapaxes(b.astype(np.float64), -1, -2)
+    bound = _gamma(33, np.float32) * (np.abs(a) @ np.swapaxes(np.abs(b), -1, -2))
+    assert np.all(np.abs(got - exact) <= bound)
+
+
+def test_one_product_for_few_features_and_other_libraries(backend):
+    a = backend.asarray(np.ones((2, 64)), "float32")
+    xp = array_namespace({"a": a})
+    split = backend.library in products.SPLIT_LIBRARIES
+    assert products.score_chunks(xp, 64) == (2 if split else 1)
+    assert products.score_chunks(xp, 2 * products.MIN_SCORE_CHUNK - 1) == 1
+
+
+def _ops(q, k, v, **options):
+    p = validate(q, k, v, Options(**options))
+    x = Inputs(q, k, v, bias=options.get("bias"))
+    return p, prepare(p, x)
+
+
+@pytest.mark.parametrize("factor", [1.0, LARGE])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cut_where_the_bound_exceeds_the_limit(factor, with_bias):
+    """Unit logits (a bound below 22.2 at 64 features): one product; logits ~1e3: two
+    chunks, with a bias too (the bias is added after the product)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 64, 64)).astype(np.float32) for _ in range(3))
+    bias = rng.standard_normal((64, 64)).astype(np.float32) if with_bias else None
+    p, ops = _ops(q * factor, k * factor, v, bias=bias)
+    assert ops.score_chunks == 2  # prepare's: the materialized kernels keep it
+    chunked, bound = score_bound.chunks_from_bound(p, ops)
+    assert bound == pytest.approx(score_bound.product_bound(p, ops))
+    large = bound > score_bound.exponent_limit(p)
+    assert large is (factor == LARGE)
+    assert chunked.score_chunks == (2 if large else 1)
+    assert chunked.at((0,)).score_chunks == chunked.score_chunks
+
+
+def test_unreadable_bound_keeps_the_chunks():
+    """A NaN leaves no bound: the scores stay cut and the fixed reference is not taken."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, 8, 64)).astype(np.float32) for _ in range(3))
+    q[0, 0, 3, 5] = np.nan
+    p, ops = _ops(q, k, v, softcap=10.0)
+    chunked, bound = score_bound.chunks_from_bound(p, ops)
+    assert bound == np.inf
+    assert chunked.score_chunks == 2
+    assert not score_bound.fixed_reference(p, chunked, bound)
+
+
+@pytest.mark.skipif(
+    "openblas" not in str(np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]),
+    reason="needs NumPy on OpenBLAS (its kernel sums each score in one chain)",
+)
+def test_smaller_error_than_one_chain_on_openblas():
+    """1024 x 1024 scores from 64 features at logits ~1e3: the two chunks' RMS error is at
+    most 0.8 of the single product's (1/√2 = 0.71 expected, the additions' rounding
+    aside)."""
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal((1024, 64)) * LARGE / 8).astype(np.float32)
+    b = (rng.standard_normal((1024, 64)) * LARGE).astype(np.float32)
+    xp = array_namespace({"a": a})
+    exact = a.astype(np.float64) @ b.astype(np.float64).T
+    chunked = products.scores(xp, a, b, transposed=False, chunks=2)
+    single = products.scores(xp, a, b, transposed=False)
+    assert np.linalg.norm(chunked - exact) <= 0.8 * np.linalg.norm(single - exact)
