@@ -4,20 +4,40 @@ The textbook computation (scores, stable softmax, product with V) in the compute
 one tile covering every query and key: the simplest kernel, and the fastest for small calls.
 Sinks add ``exp(sink - m)`` to each row's denominator (``m`` the larger of the row maximum and
 the sink); dropout zeroes weights after the softmax, so the log-sum-exp ignores it. The rows'
-largest scaled products (for the maximum scores) come from the same tile.
+largest scaled products (for the maximum scores) come from the same tile. Where a row's
+largest score is large (beyond the fixed reference's limit, :mod:`.score_bound`), the scores
+are computed again with their contraction in chunks on NumPy and array-api-strict
+(:mod:`sdpa_array._arrays.products`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from .._arrays import products
+from .._arrays.compat import known_value
+from .._arrays.typing import Array
 from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .layout import ungroup
 from .operands import prepare, tile_scores_and_maxima
 from .result import AttentionResult
+from .score_bound import exponent_limit
 from .softmax import exp_shift, log_sum_exp, safe_reciprocal
 
 __all__ = ["materialized_attention"]
+
+
+def _large(p: Problem, row_max: Array) -> bool:
+    """Whether a row's largest score lies outside ``±T`` (:func:`exponent_limit`): the
+    scores are then computed again with their contraction in chunks
+    (:func:`~sdpa_array._arrays.products.score_chunks`), whose own rounding is otherwise
+    most of the output's error. Rows without an admissible key (``-inf``) do not count; a
+    value that cannot be read counts as large."""
+    xp = p.xp
+    finite = xp.where(xp.isfinite(row_max), xp.abs(row_max), xp.zeros_like(row_max))
+    largest = known_value(xp.max(finite))
+    return largest is None or not largest <= exponent_limit(p)
 
 
 def materialized_attention(p: Problem, x: Inputs, outputs: Outputs) -> AttentionResult:
@@ -25,9 +45,14 @@ def materialized_attention(p: Problem, x: Inputs, outputs: Outputs) -> Attention
     xp = p.xp
     ops = prepare(p, x)
     rows, cols = slice(0, p.L), slice(0, p.S)
+    one = dataclasses.replace(ops, score_chunks=1)
     s, tile_max, maxima = tile_scores_and_maxima(
-        p, ops, ops.q, rows, cols, maxima=outputs.max_scores
+        p, one, ops.q, rows, cols, maxima=outputs.max_scores
     )
+    if ops.score_chunks > 1 and _large(p, tile_max):  # the scores again, in chunks
+        s, tile_max, maxima = tile_scores_and_maxima(
+            p, ops, ops.q, rows, cols, maxima=outputs.max_scores
+        )
     row_max = exp_shift(p, ops.terms.row_max(xp, tile_max))
     e = xp.exp(s - row_max)
     total = xp.sum(e, axis=-1, keepdims=True)

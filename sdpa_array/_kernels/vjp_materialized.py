@@ -13,7 +13,9 @@ from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .gradients import prepare_backward, sink_gradient, tile_gradients
 from .materialized import materialized_attention
+from .operands import prepare
 from .result import RawGrads
+from .score_bound import chunks_from_bound
 
 __all__ = ["materialized_vjp"]
 
@@ -37,7 +39,8 @@ def materialized_vjp(
     if x.sinks is not None and out is None and grad_lse is not None:  # g needs O and lse
         forward = materialized_attention(p, x, Outputs(lse=True))
         out, lse = forward.out, forward.lse
-    b = prepare_backward(p, x, grad_output, out=out, lse=lse, grad_lse=grad_lse)
+    ops, _ = chunks_from_bound(p, prepare(p, x))  # products cut where the scores may be large
+    b = prepare_backward(p, x, grad_output, ops=ops, out=out, lse=lse, grad_lse=grad_lse)
     rows = slice(0, p.L)
     t = tile_gradients(p, b.ops, b.rows(p, rows), rows, slice(0, p.S), need_dz=x.bias is not None)
     dsinks = t.dsink if x.sinks is None or b.lse is None else sink_gradient(p, b)
