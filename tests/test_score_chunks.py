@@ -14,15 +14,20 @@ that factor (1M scores, so that the ratio is tight).
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
+import sdpa_array
 from sdpa_array._arrays import products
 from sdpa_array._arrays.compat import array_namespace
 from sdpa_array._kernels import score_bound
 from sdpa_array._kernels.operands import prepare
 from sdpa_array._problem.options import Options
 from sdpa_array._problem.problem import Inputs, validate
+from sdpa_array.testing.backends import get_backend
+from tests.helpers import check_against_oracle, check_vjp_against_oracle
 
 LARGE = 31.6  # q and k times this: logits ~ 1e3 at 64 features
 
@@ -127,3 +132,69 @@ def test_smaller_error_than_one_chain_on_openblas():
     chunked = products.scores(xp, a, b, transposed=False, chunks=2)
     single = products.scores(xp, a, b, transposed=False)
     assert np.linalg.norm(chunked - exact) <= 0.8 * np.linalg.norm(single - exact)
+
+
+def test_the_scratch_buffer_is_never_returned():
+    """The chunks after the first go through the thread's scratch buffer: a later product
+    of the same shape leaves an earlier result as it was."""
+    rng = np.random.default_rng(2)
+    a, b, c = (rng.standard_normal((64, 64)).astype(np.float32) for _ in range(3))
+    xp = array_namespace({"a": a})
+    first = products.scores(xp, a, b, transposed=False, chunks=2)
+    kept = first.copy()
+    second = products.scores(xp, c, b, transposed=True, chunks=2)
+    np.testing.assert_array_equal(first, kept)
+    for result in (first, second):
+        assert not np.shares_memory(result, products._THREAD.scratch)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_logits_on_the_thread_pool_against_the_oracle(causal, monkeypatch):
+    """Logits ~1e3 (scores in chunks) on the NumPy pool with small tiles, so that each
+    thread's scratch buffer serves many tiles of several shapes: the forward and the VJP
+    within the oracle's bounds."""
+    rng = np.random.default_rng(3)
+    q, k = (rng.standard_normal((2, 3, 200, 64)) * LARGE for _ in range(2))
+    v, d_out = (rng.standard_normal((2, 3, 200, 64)) for _ in range(2))
+    threads = set()
+    chunked = products._chunked_scores
+
+    def spy(xp, a, b, count):
+        threads.add(threading.get_ident())
+        return chunked(xp, a, b, count)
+
+    monkeypatch.setattr(products, "_chunked_scores", spy)
+    sdpa_array.set_num_threads(2)
+    try:
+        _check_both(q, k, v, d_out, causal)
+    finally:
+        sdpa_array.set_num_threads(None)
+    assert threads  # the tiles' scores were cut
+
+
+def _check_both(q, k, v, d_out, causal):
+    numpy = get_backend("numpy")
+    check_against_oracle(
+        numpy,
+        "float32",
+        q,
+        k,
+        v,
+        implementation="blocked",
+        return_weights=False,
+        is_causal=causal,
+        block_q=48,
+        block_k=32,
+    )
+    check_vjp_against_oracle(
+        numpy,
+        "float32",
+        q,
+        k,
+        v,
+        d_out,
+        implementation="blocked",
+        block_q=48,
+        block_k=32,
+        is_causal=causal,
+    )

@@ -21,15 +21,20 @@ error is the whole call's where the scores are large: a score's rounding error g
 magnitude and shifts its weight by as much, so at logits of ~1e3 the float32 output's error
 is 3-6x what correctly rounded scores would give (1.5x at unit logits; one thread, the shapes
 of ``asv_benchmarks/accuracy_gaps.py``; docs/performance.md, issue 28). :func:`scores` takes
-``chunks`` (:func:`score_chunks`: at least two, of at most :data:`SCORE_CHUNK` features): the
-blocked kernels pass it where the call's score bound exceeds the fixed reference's limit
-(:func:`~sdpa_array._kernels.score_bound.chunks_from_bound`), the materialized ones always
-(their calls are small: reading the bound would cost more than the chunks).
+``chunks`` (:func:`score_chunks`: at least two, of at most :data:`SCORE_CHUNK` features) where
+the scores may be large: the blocked kernels and the materialized VJP where the call's score
+bound exceeds the fixed reference's limit
+(:func:`~sdpa_array._kernels.score_bound.chunks_from_bound`); the materialized forward, whose
+small calls the bound's reading would slow, where a row's largest score does (it computes
+the scores again in chunks, :mod:`sdpa_array._kernels.materialized`). The chunks after
+the first are computed into a buffer each thread keeps (at most :data:`BATCHED_BYTES`), so
+that they take no fresh memory, whose page faults cost more than the product here.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from types import ModuleType
 
 import numpy as np
@@ -139,29 +144,38 @@ def matmul(xp: ModuleType, a: Array, b: Array, whole: int | None = None) -> Arra
 
 
 def _chunked_scores(xp: ModuleType, a: Array, b: Array, count: int) -> Array:
-    """``a @ bᵀ`` from ``count`` balanced chunks of the contraction, added in order: on
-    NumPy, where they split evenly and their stack fits :data:`BATCHED_BYTES`, one stacked
-    product whose slices are added into the first; else a product per chunk."""
+    """``a @ bᵀ`` from ``count`` balanced chunks of the contraction, added in order into the
+    first chunk's product. On NumPy the other chunks' products go to the calling thread's
+    scratch buffer (:func:`_scratch`), which is never returned: no fresh memory per chunk."""
     k = int(a.shape[-1])
     size = -(-k // count)
-    if namespace_name(xp) == "numpy" and k == count * size:
-        m, n = int(a.shape[-2]), int(b.shape[-2])
-        lead_a, lead_b = tuple(a.shape[:-2]), tuple(b.shape[:-2])
-        lead = math.prod(inplace._broadcast_shape(lead_a, lead_b) or ())
-        if lead * count * m * n * a.dtype.itemsize <= BATCHED_BYTES:
-            pieces_a = np.moveaxis(np.reshape(a, (*lead_a, m, count, size)), -2, -3)
-            pieces_b = np.moveaxis(np.reshape(b, (*lead_b, n, count, size)), -2, -3)
-            stack = np.matmul(pieces_a, np.swapaxes(pieces_b, -1, -2))
-            out = stack[..., 0, :, :]
-            for i in range(1, count):
-                np.add(out, stack[..., i, :, :], out=out)
-            return out
+    numpy = namespace_name(xp) == "numpy"
     out = xp.matmul(a[..., :size], xp.matrix_transpose(b[..., :size]))
+    buffer = _scratch(out) if numpy else None
     for start in range(size, k, size):
         stop = min(start + size, k)
-        part = xp.matmul(a[..., start:stop], xp.matrix_transpose(b[..., start:stop]))
-        out = inplace.add(out, part)
+        pair = a[..., start:stop], xp.matrix_transpose(b[..., start:stop])
+        if buffer is None:
+            out = inplace.add(out, xp.matmul(*pair))
+        else:
+            np.add(out, np.matmul(*pair, out=buffer), out=out)
     return out
+
+
+_THREAD = threading.local()
+
+
+def _scratch(like: np.ndarray) -> np.ndarray | None:
+    """The calling thread's buffer shaped as ``like`` (a score tile's product), kept
+    between calls and grown as needed; ``None`` beyond :data:`BATCHED_BYTES` (such a
+    product gets fresh memory)."""
+    if like.nbytes > BATCHED_BYTES:
+        return None
+    kept = getattr(_THREAD, "scratch", None)
+    if kept is None or kept.dtype != like.dtype or kept.size < like.size:
+        kept = np.empty(like.size, dtype=like.dtype)
+        _THREAD.scratch = kept
+    return np.reshape(kept[: like.size], like.shape)
 
 
 def _batched(a: Array, b: Array, count: int, size: int) -> Array:
