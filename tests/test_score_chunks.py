@@ -95,7 +95,7 @@ def test_cut_where_the_bound_exceeds_the_limit(factor, with_bias):
     q, k, v = (rng.standard_normal((1, 2, 64, 64)).astype(np.float32) for _ in range(3))
     bias = rng.standard_normal((64, 64)).astype(np.float32) if with_bias else None
     p, ops = _ops(q * factor, k * factor, v, bias=bias)
-    assert ops.score_chunks == 2  # prepare's: the materialized kernels keep it
+    assert ops.score_chunks == 2  # prepare's, before a kernel decides
     chunked, bound = score_bound.chunks_from_bound(p, ops)
     assert bound == pytest.approx(score_bound.product_bound(p, ops))
     large = bound > score_bound.exponent_limit(p)
@@ -105,13 +105,14 @@ def test_cut_where_the_bound_exceeds_the_limit(factor, with_bias):
 
 
 def test_unreadable_bound_keeps_the_chunks():
-    """A NaN leaves no bound: the scores stay cut and the fixed reference is not taken."""
+    """A NaN leaves no bound (NaN): the scores stay cut, whatever the soft-cap, and the
+    fixed reference is not taken."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 1, 8, 64)).astype(np.float32) for _ in range(3))
     q[0, 0, 3, 5] = np.nan
     p, ops = _ops(q, k, v, softcap=10.0)
     chunked, bound = score_bound.chunks_from_bound(p, ops)
-    assert bound == np.inf
+    assert np.isnan(bound)
     assert chunked.score_chunks == 2
     assert not score_bound.fixed_reference(p, chunked, bound)
 
@@ -145,7 +146,8 @@ def test_the_scratch_buffer_is_never_returned():
     second = products.scores(xp, c, b, transposed=True, chunks=2)
     np.testing.assert_array_equal(first, kept)
     for result in (first, second):
-        assert not np.shares_memory(result, products._THREAD.scratch)
+        for kept in products._THREAD.scratch.values():
+            assert not np.shares_memory(result, kept)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -198,3 +200,118 @@ def _check_both(q, k, v, d_out, causal):
         block_k=32,
         is_causal=causal,
     )
+
+
+def test_softcap_at_most_the_limit_keeps_one_product():
+    """A soft-cap of at most ``T`` keeps the final scores small whatever the products: one
+    product, and the fixed reference taken with the bound read once."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 2, 32, 64)).astype(np.float32) for _ in range(3))
+    p, ops = _ops(q * LARGE, k * LARGE, v, softcap=10.0)
+    chunked, bound = score_bound.chunks_from_bound(p, ops)
+    assert bound > score_bound.exponent_limit(p)
+    assert chunked.score_chunks == 1
+    assert score_bound.fixed_reference(p, chunked, bound)
+    p, ops = _ops(q * LARGE, k * LARGE, v, softcap=50.0)
+    assert score_bound.chunks_from_bound(p, ops)[0].score_chunks == 2
+
+
+def test_overflowing_bound_with_a_softcap_takes_the_fixed_reference():
+    """A bound that overflows (finite operands) is still a bound: capped by the soft-cap."""
+    q = np.full((1, 1, 4, 64), 1e160)
+    p, ops = _ops(q, q, np.ones_like(q), softcap=10.0)
+    assert score_bound.product_bound(p, ops) == np.inf
+    assert score_bound.fixed_reference(p, ops)
+
+
+def _counting(monkeypatch) -> list[int]:
+    counts: list[int] = []
+    chunked = products._chunked_scores
+
+    def spy(xp, a, b, count):
+        counts.append(count)
+        return chunked(xp, a, b, count)
+
+    monkeypatch.setattr(products, "_chunked_scores", spy)
+    return counts
+
+
+@pytest.mark.parametrize(
+    ("factor", "options", "chunked"),
+    [
+        pytest.param(1.0, {}, False, id="unit"),
+        pytest.param(LARGE, {}, True, id="large"),
+        pytest.param(LARGE, {"is_causal": True}, True, id="large-causal"),
+        pytest.param(1.0, {"bias": "huge"}, False, id="unit-huge-bias"),
+        pytest.param(LARGE, {"softcap": 10.0}, False, id="large-softcapped"),
+        pytest.param(1.0, {"mask": "rows"}, False, id="unit-empty-rows"),
+    ],
+)
+def test_materialized_forward_cuts_where_the_products_are_large(
+    monkeypatch, factor, options, chunked
+):
+    """The materialized forward takes one product, then the scores again in chunks only
+    where a row's largest scaled product exceeds the limit: not for a bias of -1e9 (the
+    products are small), a soft-cap or rows without keys; and its output stays within the
+    oracle's bounds."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 2, 24, 64)) for _ in range(3))
+    opts = dict(options)
+    if opts.get("bias") == "huge":
+        bias = np.zeros((24, 24))
+        bias[3] = -1e9  # a padded row: its final scores are huge, its products are not
+        opts["bias"] = bias
+    if opts.get("mask") == "rows":
+        mask = np.ones((24, 24), dtype=bool)
+        mask[5] = False
+        opts["mask"] = mask
+    counts = _counting(monkeypatch)
+    check_against_oracle(
+        get_backend("numpy"),
+        "float32",
+        q * factor,
+        k * factor,
+        v,
+        implementation="materialized",
+        **opts,
+    )
+    assert bool(counts) is chunked
+
+
+@pytest.mark.parametrize("features", [31, 64])
+@pytest.mark.parametrize("implementation", ["materialized", "blocked"])
+def test_empty_batch_and_heads(implementation, features):
+    for shape in [(0, 2, 4, features), (2, 0, 4, features)]:
+        q = np.zeros(shape, np.float32)
+        out = sdpa_array.scaled_dot_product_attention(q, q, q, implementation=implementation)
+        assert out.shape == shape
+        grads = sdpa_array.scaled_dot_product_attention_vjp(
+            q, q, q, q, implementation=implementation
+        )
+        assert all(g.shape == shape for g in grads[:3])
+
+
+@pytest.mark.parametrize(
+    ("length", "factor", "chunked"),
+    [(16, LARGE, False), (128, 1.0, False), (128, LARGE, True)],
+)
+def test_materialized_vjp_reads_the_bound_for_calls_not_small(monkeypatch, length, factor, chunked):
+    """The materialized VJP cuts the scores where the bound says they are large, for calls
+    of at least MIN_BOUND_PAIRS pairs; smaller calls read no bound and keep one product."""
+    from sdpa_array._kernels import vjp_materialized
+
+    assert (length * length >= vjp_materialized.MIN_BOUND_PAIRS) is (length == 128)
+    rng = np.random.default_rng(6)
+    q, k = (rng.standard_normal((1, 2, length, 64)) * factor for _ in range(2))
+    v, g = (rng.standard_normal((1, 2, length, 64)) for _ in range(2))
+    reads: list[float] = []
+    bound = score_bound.product_bound
+    monkeypatch.setattr(
+        score_bound, "product_bound", lambda p, ops: reads.append(1) or bound(p, ops)
+    )
+    counts = _counting(monkeypatch)
+    check_vjp_against_oracle(
+        get_backend("numpy"), "float32", q, k, v, g, implementation="materialized"
+    )
+    assert bool(reads) is (length == 128)
+    assert bool(counts) is chunked

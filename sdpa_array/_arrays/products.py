@@ -22,11 +22,13 @@ magnitude and shifts its weight by as much, so at logits of ~1e3 the float32 out
 is 3-6x what correctly rounded scores would give (1.5x at unit logits; one thread, the shapes
 of ``asv_benchmarks/accuracy_gaps.py``; docs/performance.md, issue 28). :func:`scores` takes
 ``chunks`` (:func:`score_chunks`: at least two, of at most :data:`SCORE_CHUNK` features) where
-the scores may be large: the blocked kernels and the materialized VJP where the call's score
-bound exceeds the fixed reference's limit
+the scores may be large: the blocked kernels where the call's score bound (the soft-cap's
+where smaller) exceeds the fixed reference's limit
 (:func:`~sdpa_array._kernels.score_bound.chunks_from_bound`); the materialized forward, whose
-small calls the bound's reading would slow, where a row's largest score does (it computes
-the scores again in chunks, :mod:`sdpa_array._kernels.materialized`). The chunks after
+small calls the bound's reading would slow, where a row's largest scaled product does (it
+computes the scores again in chunks, :mod:`sdpa_array._kernels.materialized`), and the
+materialized VJP from the bound where its calls are not small
+(:data:`~sdpa_array._kernels.vjp_materialized.MIN_BOUND_PAIRS`). The chunks after
 the first are computed into a buffer each thread keeps (at most :data:`BATCHED_BYTES`), so
 that they take no fresh memory, whose page faults cost more than the product here.
 """
@@ -166,15 +168,17 @@ _THREAD = threading.local()
 
 
 def _scratch(like: np.ndarray) -> np.ndarray | None:
-    """The calling thread's buffer shaped as ``like`` (a score tile's product), kept
-    between calls and grown as needed; ``None`` beyond :data:`BATCHED_BYTES` (such a
-    product gets fresh memory)."""
+    """The calling thread's buffer shaped as ``like`` (a score tile's product), one per
+    dtype, kept between calls and grown as needed; ``None`` beyond :data:`BATCHED_BYTES`
+    (such a product gets fresh memory)."""
     if like.nbytes > BATCHED_BYTES:
         return None
-    kept = getattr(_THREAD, "scratch", None)
-    if kept is None or kept.dtype != like.dtype or kept.size < like.size:
-        kept = np.empty(like.size, dtype=like.dtype)
-        _THREAD.scratch = kept
+    buffers = getattr(_THREAD, "scratch", None)
+    if buffers is None:
+        buffers = _THREAD.scratch = {}
+    kept = buffers.get(like.dtype)
+    if kept is None or kept.size < like.size:
+        kept = buffers[like.dtype] = np.empty(like.size, dtype=like.dtype)
     return np.reshape(kept[: like.size], like.shape)
 
 

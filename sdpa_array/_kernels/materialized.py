@@ -5,14 +5,15 @@ one tile covering every query and key: the simplest kernel, and the fastest for 
 Sinks add ``exp(sink - m)`` to each row's denominator (``m`` the larger of the row maximum and
 the sink); dropout zeroes weights after the softmax, so the log-sum-exp ignores it. The rows'
 largest scaled products (for the maximum scores) come from the same tile. Where a row's
-largest score is large (beyond the fixed reference's limit, :mod:`.score_bound`), the scores
-are computed again with their contraction in chunks on NumPy and array-api-strict
-(:mod:`sdpa_array._arrays.products`).
+largest scaled product is large (beyond the fixed reference's limit, :mod:`.score_bound`),
+the scores are computed again with their contraction in chunks on NumPy and
+array-api-strict (:mod:`sdpa_array._arrays.products`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from .._arrays import products
 from .._arrays.compat import known_value
@@ -28,15 +29,20 @@ from .softmax import exp_shift, log_sum_exp, safe_reciprocal
 __all__ = ["materialized_attention"]
 
 
-def _large(p: Problem, row_max: Array) -> bool:
-    """Whether a row's largest score lies outside ``±T`` (:func:`exponent_limit`): the
-    scores are then computed again with their contraction in chunks
-    (:func:`~sdpa_array._arrays.products.score_chunks`), whose own rounding is otherwise
-    most of the output's error. Rows without an admissible key (``-inf``) do not count; a
+def _large(p: Problem, row_max: Array, softcap: float | None = None) -> bool:
+    """Whether a row's largest scaled product ``scale · q·k`` lies outside ``±T``
+    (:func:`exponent_limit`): the scores are then computed again with their contraction in
+    chunks (:func:`~sdpa_array._arrays.products.score_chunks`), whose own rounding is
+    otherwise most of the output's error (a ``softcap`` at most ``T`` keeps the final
+    scores small: no chunks). Rows without an admissible key (``-inf``) do not count; a
     value that cannot be read counts as large."""
     xp = p.xp
+    if math.prod(row_max.shape) == 0:
+        return False
     finite = xp.where(xp.isfinite(row_max), xp.abs(row_max), xp.zeros_like(row_max))
     largest = known_value(xp.max(finite))
+    if largest is not None and softcap is not None:
+        largest = min(largest, softcap)
     return largest is None or not largest <= exponent_limit(p)
 
 
@@ -45,14 +51,17 @@ def materialized_attention(p: Problem, x: Inputs, outputs: Outputs) -> Attention
     xp = p.xp
     ops = prepare(p, x)
     rows, cols = slice(0, p.L), slice(0, p.S)
-    one = dataclasses.replace(ops, score_chunks=1)
+    later = ops.score_chunks > 1  # one product first; in chunks again where they are large
+    first = dataclasses.replace(ops, score_chunks=1) if later else ops
     s, tile_max, maxima = tile_scores_and_maxima(
-        p, one, ops.q, rows, cols, maxima=outputs.max_scores
+        p, first, ops.q, rows, cols, maxima=outputs.max_scores or later
     )
-    if ops.score_chunks > 1 and _large(p, tile_max):  # the scores again, in chunks
+    if later and _large(p, maxima, ops.terms.softcap):
         s, tile_max, maxima = tile_scores_and_maxima(
             p, ops, ops.q, rows, cols, maxima=outputs.max_scores
         )
+    elif not outputs.max_scores:
+        maxima = None
     row_max = exp_shift(p, ops.terms.row_max(xp, tile_max))
     e = xp.exp(s - row_max)
     total = xp.sum(e, axis=-1, keepdims=True)

@@ -85,9 +85,9 @@ class Operands:
         :meth:`at` (:data:`KEPT_MASKS` of at most :data:`KEPT_MASK_PAIRS` pairs).
     score_chunks : int
         Chunks of the scores' contraction: :func:`~sdpa_array._arrays.products.score_chunks`
-        from :func:`prepare`, which the materialized kernels keep; the blocked ones take 1
-        where the call's score bound keeps every score small
-        (:func:`~.score_bound.chunks_from_bound`).
+        from :func:`prepare`; each kernel keeps them only where the scores may be large
+        (:func:`~.score_bound.chunks_from_bound`; the materialized forward from its rows'
+        largest scaled products) and takes 1 elsewhere.
     """
 
     q: Array
@@ -262,7 +262,9 @@ def fixed_weights(
     takes a slow path on ``-inf``). ``full``: the plan found every pair admissible, so the
     restrictions are not asked."""
     xp = p.xp
-    raw = xp.matmul(q_rows, xp.matrix_transpose(ops.k[..., cols, :]))
+    raw = products.scores(
+        xp, q_rows, ops.k[..., cols, :], transposed=False, chunks=ops.score_chunks
+    )
     s, _, _ = ops.terms.apply(xp, raw, rows, cols)
     e = ops.terms.exp(xp, s)
     return e if full else _excluded(p, ops, rows, cols, (e,), 0.0)[0]

@@ -16,9 +16,10 @@ known (a bias or a caller's function, which may add anything), where a value can
 without waiting for a device or computing a lazy graph (:func:`known_value`), or where a
 check fails (a NaN fails them all), the kernels keep the running maximum.
 
-The same bound decides where NumPy's blocked kernels cut the scores' contraction into chunks
-(:func:`chunks_from_bound`): above the limit the scores' own rounding is most of the
-output's error (:mod:`sdpa_array._arrays.products`).
+The same bound (the soft-cap's where smaller) decides where the kernels on NumPy and
+array-api-strict cut the scores' contraction into chunks (:func:`chunks_from_bound`: the
+blocked kernels and the materialized VJP): above the limit the scores' own rounding is most
+of the output's error (:mod:`sdpa_array._arrays.products`).
 """
 
 from __future__ import annotations
@@ -80,18 +81,24 @@ def _largest_norm(p: Problem, x: Array) -> float | None:
 
 def product_bound(p: Problem, ops: Operands) -> float:
     """Cauchy-Schwarz's bound on ``|scale · q·k|``, ``|scale| · max‖q_i‖ · max‖k_j‖``, read
-    on the host: ``inf`` where it cannot be read (a NaN or an infinity, a lazy array), 0
-    where there are no scores."""
+    on the host (``inf`` where the product overflows): NaN where it cannot be read (a NaN or
+    an infinity among the operands, a lazy array), 0 where there are no scores."""
     if any(math.prod(a.shape) == 0 for a in (ops.q, ops.k)):
         return 0.0
     scale = 1.0 if ops.terms.scale_in_query else known_value(ops.terms.scale)
     if scale is None:
-        return math.inf
+        return math.nan
     q_norm = _largest_norm(p, ops.q)
     k_norm = None if q_norm is None else _largest_norm(p, ops.k)
     if q_norm is None or k_norm is None:
-        return math.inf
+        return math.nan
     return abs(scale) * q_norm * k_norm
+
+
+def _capped(bound: float, softcap: float | None) -> float:
+    """The bound on the final scores' magnitude: the soft-cap's where it is smaller (NaN
+    stays NaN)."""
+    return bound if softcap is None or math.isnan(bound) else min(bound, softcap)
 
 
 def chunks_from_bound(p: Problem, ops: Operands) -> tuple[Operands, float | None]:
@@ -102,7 +109,7 @@ def chunks_from_bound(p: Problem, ops: Operands) -> tuple[Operands, float | None
     if ops.score_chunks == 1:
         return ops, None
     bound = product_bound(p, ops)
-    if bound <= exponent_limit(p):
+    if _capped(bound, ops.terms.softcap) <= exponent_limit(p):  # NaN keeps the chunks
         ops = dataclasses.replace(ops, score_chunks=1)
     return ops, bound
 
@@ -119,12 +126,8 @@ def fixed_reference(p: Problem, ops: Operands, bound: float | None = None) -> bo
         return False  # nothing to bound (an empty batch, no features)
     xp = p.xp
     limit = exponent_limit(p)
-    bound = product_bound(p, ops) if bound is None else bound
-    if not math.isfinite(bound):  # not read: a NaN, an infinity, a lazy array
-        return False
-    if terms.softcap is not None:
-        bound = min(bound, terms.softcap)
-    if not bound <= limit:  # NaN fails too
+    bound = _capped(product_bound(p, ops) if bound is None else bound, terms.softcap)
+    if not bound <= limit:  # NaN (not read) fails too
         return False
     if terms.sink is not None:
         sink = _largest(p, xp.abs(terms.sink))
