@@ -138,25 +138,25 @@ def matmul(xp: ModuleType, a: Array, b: Array, whole: int | None = None) -> Arra
         stacked = lead * count * int(a.shape[-2]) * int(b.shape[-1]) * a.dtype.itemsize
         if stacked <= BATCHED_BYTES:
             return _batched(a, b, count, size)
-    out = xp.matmul(a[..., :size], b[..., :size, :])
-    for start in range(size, k, size):
-        stop = min(start + size, k)
-        out = inplace.add(out, xp.matmul(a[..., start:stop], b[..., start:stop, :]))
-    return out
+    return _sum_of_chunks(xp, a, b, size, scratch=False)
 
 
 def _chunked_scores(xp: ModuleType, a: Array, b: Array, count: int) -> Array:
-    """``a @ bᵀ`` from ``count`` balanced chunks of the contraction, added in order into the
-    first chunk's product. On NumPy the other chunks' products go to the calling thread's
-    scratch buffer (:func:`_scratch`), which is never returned: no fresh memory per chunk."""
+    """``a @ bᵀ`` from ``count`` balanced chunks of the contraction (:func:`_sum_of_chunks`)."""
+    size = -(-int(a.shape[-1]) // count)
+    return _sum_of_chunks(xp, a, xp.matrix_transpose(b), size, scratch=True)
+
+
+def _sum_of_chunks(xp: ModuleType, a: Array, b: Array, size: int, *, scratch: bool) -> Array:
+    """``a @ b`` as the products of the contraction's chunks of ``size``, added in order into
+    the first chunk's product. ``scratch``: on NumPy the other chunks' products go to the
+    calling thread's scratch buffer (:func:`_scratch`), which is never returned: no fresh
+    memory per chunk."""
     k = int(a.shape[-1])
-    size = -(-k // count)
-    numpy = namespace_name(xp) == "numpy"
-    out = xp.matmul(a[..., :size], xp.matrix_transpose(b[..., :size]))
-    buffer = _scratch(out) if numpy else None
+    out = xp.matmul(a[..., :size], b[..., :size, :])
+    buffer = _scratch(out) if scratch and namespace_name(xp) == "numpy" else None
     for start in range(size, k, size):
-        stop = min(start + size, k)
-        pair = a[..., start:stop], xp.matrix_transpose(b[..., start:stop])
+        pair = a[..., start : start + size], b[..., start : start + size, :]
         if buffer is None:
             out = inplace.add(out, xp.matmul(*pair))
         else:

@@ -23,7 +23,7 @@ from .._problem.problem import Inputs, Problem
 from .layout import ungroup
 from .operands import prepare, tile_scores_and_maxima
 from .result import AttentionResult
-from .score_bound import exponent_limit
+from .score_bound import beyond_limit
 from .softmax import exp_shift, log_sum_exp, safe_reciprocal
 
 __all__ = ["materialized_attention"]
@@ -31,19 +31,17 @@ __all__ = ["materialized_attention"]
 
 def _large(p: Problem, row_max: Array, softcap: float | None = None) -> bool:
     """Whether a row's largest scaled product ``scale · q·k`` lies outside ``±T``
-    (:func:`exponent_limit`): the scores are then computed again with their contraction in
-    chunks (:func:`~sdpa_array._arrays.products.score_chunks`), whose own rounding is
-    otherwise most of the output's error (a ``softcap`` at most ``T`` keeps the final
-    scores small: no chunks). Rows without an admissible key (``-inf``) do not count; a
+    (:func:`~.score_bound.beyond_limit`; a ``softcap`` at most ``T`` keeps the final scores
+    small): the scores are then computed again with their contraction in chunks
+    (:func:`~sdpa_array._arrays.products.score_chunks`), whose own rounding is otherwise
+    most of the output's error. Rows without an admissible key (``-inf``) do not count; a
     value that cannot be read counts as large."""
     xp = p.xp
     if math.prod(row_max.shape) == 0:
         return False
     finite = xp.where(xp.isfinite(row_max), xp.abs(row_max), xp.zeros_like(row_max))
     largest = known_value(xp.max(finite))
-    if largest is not None and softcap is not None:
-        largest = min(largest, softcap)
-    return largest is None or not largest <= exponent_limit(p)
+    return beyond_limit(p, math.nan if largest is None else largest, softcap)
 
 
 def materialized_attention(p: Problem, x: Inputs, outputs: Outputs) -> AttentionResult:

@@ -35,7 +35,13 @@ from .._problem.problem import Problem
 if TYPE_CHECKING:
     from .operands import Operands
 
-__all__ = ["chunks_from_bound", "exponent_limit", "fixed_reference", "product_bound"]
+__all__ = [
+    "beyond_limit",
+    "chunks_from_bound",
+    "exponent_limit",
+    "fixed_reference",
+    "product_bound",
+]
 
 
 def exponent_limit(p: Problem) -> float:
@@ -95,10 +101,11 @@ def product_bound(p: Problem, ops: Operands) -> float:
     return abs(scale) * q_norm * k_norm
 
 
-def _capped(bound: float, softcap: float | None) -> float:
-    """The bound on the final scores' magnitude: the soft-cap's where it is smaller (NaN
-    stays NaN)."""
-    return bound if softcap is None or math.isnan(bound) else min(bound, softcap)
+def beyond_limit(p: Problem, magnitude: float, softcap: float | None) -> bool:
+    """Whether scores whose magnitude is at most ``magnitude`` (the soft-cap's where
+    smaller) may lie outside ``±T`` (:func:`exponent_limit`); a NaN (not read) may."""
+    capped = magnitude if softcap is None or math.isnan(magnitude) else min(magnitude, softcap)
+    return not capped <= exponent_limit(p)
 
 
 def chunks_from_bound(p: Problem, ops: Operands) -> tuple[Operands, float | None]:
@@ -109,7 +116,7 @@ def chunks_from_bound(p: Problem, ops: Operands) -> tuple[Operands, float | None
     if ops.score_chunks == 1:
         return ops, None
     bound = product_bound(p, ops)
-    if _capped(bound, ops.terms.softcap) <= exponent_limit(p):  # NaN keeps the chunks
+    if not beyond_limit(p, bound, ops.terms.softcap):
         ops = dataclasses.replace(ops, score_chunks=1)
     return ops, bound
 
@@ -126,8 +133,7 @@ def fixed_reference(p: Problem, ops: Operands, bound: float | None = None) -> bo
         return False  # nothing to bound (an empty batch, no features)
     xp = p.xp
     limit = exponent_limit(p)
-    bound = _capped(product_bound(p, ops) if bound is None else bound, terms.softcap)
-    if not bound <= limit:  # NaN (not read) fails too
+    if beyond_limit(p, product_bound(p, ops) if bound is None else bound, terms.softcap):
         return False
     if terms.sink is not None:
         sink = _largest(p, xp.abs(terms.sink))
