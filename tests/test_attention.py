@@ -7,7 +7,7 @@ Each feature alone has a file of its own (``test_mask_bias``, ``test_causal_wind
 of :mod:`tests.paths`. This file runs the same way the shapes (no heads axis, ``L != S``,
 ``Ev != E``, broadcast batch axes) and features combined, and checks on every backend and
 dtype what any call must do: rows fully masked or excluded whole, empty lengths, large
-logits, the packing of the return values, the worked example of the design notes, arrays on
+logits, the packing of the return values, the Theory page's worked example, arrays on
 a non-default device.
 """
 
@@ -190,12 +190,13 @@ def test_return_value_packing(backend):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_worked_example_from_design_notes(backend, dtype):
+def test_worked_example_of_the_theory_page(backend, dtype):
     """Q = [[1,2],[3,4]], K = [[5,6],[7,8],[9,10]], V = [[1,0,1],[0,1,0],[1,1,0]], d_k = 2.
 
-    The notes publish ``[[0.984, 1.000, 0.0002], [0.9999, 0.9999, 0.0001]]``; the exact values
-    below (softmax of ``Q Kᵀ / sqrt(2)`` written out in closed form) differ from that rounding
-    in several places: e.g. row 0 col 0 is 0.98584 and row 1 col 2 is 2.5e-9, not 1e-4.
+    Hand-computed figures read ``[[0.984, 1.000, 0.0002], [0.9999, 0.9999, 0.0001]]``; the
+    exact values below (softmax of ``Q Kᵀ / sqrt(2)`` written out in closed form) differ from
+    that rounding in several places: e.g. row 0 col 0 is 0.98584 and row 1 col 2 is 2.5e-9,
+    not 1e-4.
     """
     scores = [[17.0, 23.0, 29.0], [39.0, 53.0, 67.0]]
     expected = []

@@ -43,3 +43,62 @@ def test_cli_rejects_unknown_commands(capsys):
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
     assert main(["--help"]) == 0
     assert "demo" in capsys.readouterr().out
+
+
+#: What the shipped text may not cite: the notes and the shared folder the project was
+#: started from, which users of the package do not have. Built from pieces so that this
+#: file does not match itself.
+UNSHIPPED_SOURCES = re.compile(
+    "|".join(
+        [
+            "design" + r"[\s_-]+notes?",
+            r"\.\./" + "shared",
+            r"\bshared/" + "(?:gpu|design|hooks|STYLE)",
+        ]
+    ),
+    flags=re.IGNORECASE,
+)
+
+#: Generated folders under docs/, not shipped text of their own.
+GENERATED_DOCS = ("_build", "generated", "auto_examples")
+
+
+def _shipped_text() -> list[Path]:
+    """The package, the tests, the docs' sources and README: what a user of a checkout or
+    of the sdist reads."""
+    files = [ROOT / "README.md"]
+    for folder, patterns in (
+        ("sdpa_array", ("*.py",)),
+        ("tests", ("*.py",)),
+        ("docs", ("*.md", "*.rst", "*.py", "*.txt", "*.html")),
+    ):
+        for pattern in patterns:
+            files += [
+                path
+                for path in (ROOT / folder).rglob(pattern)
+                if not set(path.relative_to(ROOT).parts) & set(GENERATED_DOCS)
+            ]
+    return files
+
+
+def test_shipped_text_cites_no_unshipped_notes():
+    files = _shipped_text()
+    assert any(path.name == "multi_head.py" for path in files)  # the walk found the package
+    cited = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in files
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if UNSHIPPED_SOURCES.search(line)
+    ]
+    assert cited == []
+
+
+def test_unshipped_sources_pattern_matches_what_it_forbids():
+    cited = [
+        "(design" + " note 004)",
+        "the design" + "-notes folder",
+        "../" + "shared/" + "gpu/x.py",
+    ]
+    for text in cited:
+        assert UNSHIPPED_SOURCES.search(text), text
+    assert not UNSHIPPED_SOURCES.search("shared memory between threads")

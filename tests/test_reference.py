@@ -160,8 +160,8 @@ WORKED_Q = [[1, 2], [3, 4]]
 WORKED_K = [[5, 6], [7, 8], [9, 10]]
 WORKED_V = [[1, 0, 1], [0, 1, 0], [1, 1, 0]]
 
-#: The rounded output printed in the design notes for the worked example.
-PUBLISHED = [["0.984", "1.000", "0.0002"], ["0.9999", "0.9999", "0.0001"]]
+#: The worked example's output as rounded by hand (the Theory page shows both).
+HAND_ROUNDED = [["0.984", "1.000", "0.0002"], ["0.9999", "0.9999", "0.0001"]]
 
 
 def _mpmath_worked_example():
@@ -196,20 +196,20 @@ def test_worked_example_matches_mpmath():
     assert got[1, 2] == pytest.approx(float(exact[1][2]), rel=1e-10)
 
 
-def test_worked_example_published_figures_are_partly_wrong():
-    """Which of the design notes' rounded figures are not the correctly rounded values.
+def test_worked_example_hand_rounded_figures_are_partly_wrong():
+    """Which of the hand-rounded figures are not the correctly rounded values.
 
     Exact values (50-digit mpmath, rounded here to 12 digits)::
 
         [[0.985836847178, 0.999796481215, 0.000203518785423],
          [0.99994980249,  0.99999999748,  2.51991649088e-9 ]]
 
-    A published figure with ``d`` decimals counts as accurate if it is within half a unit
+    A hand-rounded figure with ``d`` decimals counts as accurate if it is within half a unit
     of its last place (``0.5 * 10**-d``) of the exact value. Off are:
 
-    * ``[0, 0]``: published 0.984, exact 0.98584 (should read 0.986);
-    * ``[1, 1]``: published 0.9999, exact 0.9999999975 (should read 1.0000);
-    * ``[1, 2]``: published 0.0001, exact 2.52e-9 (should read 0.0000); it is
+    * ``[0, 0]``: hand-rounded 0.984, exact 0.98584 (should read 0.986);
+    * ``[1, 1]``: hand-rounded 0.9999, exact 0.9999999975 (should read 1.0000);
+    * ``[1, 2]``: hand-rounded 0.0001, exact 2.52e-9 (should read 0.0000); it is
       ``exp(-28/sqrt(2)) / (1 + exp(-14/sqrt(2)) + exp(-28/sqrt(2)))``, about 2.5e-9.
 
     ``[0, 1]`` (1.000), ``[0, 2]`` (0.0002) and ``[1, 0]`` (0.9999, exact 0.999949802)
@@ -219,7 +219,7 @@ def test_worked_example_published_figures_are_partly_wrong():
     exact = _mpmath_worked_example()
     with mpmath.workdps(50):
         off = set()
-        for r, row in enumerate(PUBLISHED):
+        for r, row in enumerate(HAND_ROUNDED):
             for c, text in enumerate(row):
                 decimals = len(text.split(".")[1])
                 half_ulp = mpmath.mpf(5) / mpmath.mpf(10) ** (decimals + 1)

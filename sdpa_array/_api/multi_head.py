@@ -1,4 +1,4 @@
-"""The multi-head attention layer, written once against the Array API (design note 004).
+"""The multi-head attention layer, written once against the Array API.
 
 :func:`multi_head_attention` projects the inputs to queries, keys and values, splits the heads,
 attends with :func:`~sdpa_array.scaled_dot_product_attention` (every option passed through)
