@@ -15,9 +15,11 @@ function of each score and its indices: ready-made ones are in :mod:`sdpa_array.
 and :mod:`sdpa_array.testing` checks any result against it.
 """
 
-import sys
-import types
-from importlib.metadata import PackageNotFoundError, version
+import importlib as _importlib
+import sys as _sys
+import types as _types
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
+from importlib.metadata import version as _version
 
 from . import mods
 from ._api.explain import Explanation, explain
@@ -71,31 +73,45 @@ def _torch_layer(name: str, where: str) -> object:
     raise AttributeError(f"module {where!r} has no attribute {name!r}")
 
 
+#: Subpackages beside the library, imported on first use: the float64 oracle, the testing
+#: helpers, the integrations with other frameworks and the lab's experiments.
+_SUBPACKAGES = ("integrations", "lab", "reference", "testing")
+
+
 def __getattr__(name: str) -> object:
-    """``MultiheadAttention``, the drop-in for ``torch.nn.MultiheadAttention``."""
+    """``MultiheadAttention``, the drop-in for ``torch.nn.MultiheadAttention``, and the
+    subpackages of :data:`_SUBPACKAGES` (imported on first use)."""
+    if name in _SUBPACKAGES:
+        return _importlib.import_module(f"{__name__}.{name}")
     return _torch_layer(name, __name__)
 
 
-def _nn_module() -> types.ModuleType:
+def __dir__() -> list[str]:
+    """The public names, for ``dir()`` and tab completion."""
+    return sorted({*__all__, *_SUBPACKAGES, "MultiheadAttention", "__version__"})
+
+
+def _nn_module() -> _types.ModuleType:
     """``sdpa_array.nn``, torch's layer names computed by this library
     (``sdpa_array.nn.MultiheadAttention``): a module object, not a file, whose names import
     torch on first use."""
-    module = types.ModuleType(
+    module = _types.ModuleType(
         f"{__name__}.nn",
         "torch layers computed by sdpa_array: ``MultiheadAttention``, the drop-in for "
         "``torch.nn.MultiheadAttention`` (imported with torch on first use).",
     )
     module.__getattr__ = lambda name: _torch_layer(name, module.__name__)  # type: ignore[method-assign]
     module.__dict__["__all__"] = ["MultiheadAttention"]
+    module.__dict__["__dir__"] = lambda: ["MultiheadAttention"]
     return module
 
 
 nn = _nn_module()
 # registered, so that ``import sdpa_array.nn`` and ``from sdpa_array.nn import ...`` work
-sys.modules[nn.__name__] = nn
+_sys.modules[nn.__name__] = nn
 
 
 try:
-    __version__ = version("sdpa_array")
-except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = _version("sdpa_array")
+except _PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0+unknown"

@@ -1,4 +1,4 @@
-"""The commands ``python -m sdpa_array demo|bench|explain``.
+"""The commands ``python -m sdpa_array demo|bench|experiments``.
 
 They refuse a backend they cannot run, alike: an id the registry does not know is a usage
 error (argparse: exit status 2, the known ids on stderr); a registered backend whose library
@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 
-from sdpa_array.lab.cli import bench, demo, explain
+from sdpa_array.lab.cli import bench, demo, experiments
 from sdpa_array.testing.backends import Backend
 
 COMMANDS = {
     "demo": (demo.main, ["--backend"]),
     "bench": (bench.main, ["--quick", "--backends"]),
-    "explain": (explain.main, ["--out", "{tmp}", "--backend"]),
+    "experiments": (experiments.main, ["--out", "{tmp}", "--backend"]),
 }
 
 

@@ -817,7 +817,7 @@ BAD = [
     ("is_causal", dict(is_causal="yes"), TypeError, r"is_causal must be a bool"),
     ("enable_gqa", dict(enable_gqa=1), TypeError, r"enable_gqa must be a bool"),
     ("return_lse", dict(return_lse=1), TypeError, r"return_lse must be a bool"),
-    ("unknown option", dict(block_k=4), TypeError, r"unexpected keyword argument\(s\) block_k"),
+    ("unknown option", dict(block_k=4), TypeError, r"unexpected keyword argument 'block_k'"),
     ("return_weights", dict(return_weights=True), TypeError, r"does not return attention weights"),
     ("alignment", dict(alignment="top_left"), ValueError, r"alignment is always 'bottom_right'"),
 ]

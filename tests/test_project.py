@@ -102,3 +102,34 @@ def test_unshipped_sources_pattern_matches_what_it_forbids():
     for text in cited:
         assert UNSHIPPED_SOURCES.search(text), text
     assert not UNSHIPPED_SOURCES.search("shared memory between threads")
+
+
+def readme_python_blocks() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"```python\n(.+?)\n```", text, flags=re.S)
+
+
+def test_readme_use_snippet_runs_as_a_script_and_prints():
+    import subprocess
+    import sys
+
+    snippet = readme_python_blocks()[0]
+    done = subprocess.run(
+        [sys.executable, "-c", snippet], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert done.stdout.strip() == "(2, 8, 128, 32) (2, 8, 128)"
+
+
+def test_readme_development_tree_names_modules_that_exist():
+    text = (ROOT / "README.md").read_text()
+    tree = text[text.index("```\nsdpa_array/") :].split("```", 2)[1]
+    named = set(re.findall(r"\b([a-z_]+\.py)\b", tree))
+    folders = set(re.findall(r"^ +([a-z_]+)/", tree, flags=re.M))
+    present = {path.name for path in (ROOT / "sdpa_array").rglob("*.py")}
+    present_folders = {path.name for path in (ROOT / "sdpa_array").rglob("*") if path.is_dir()}
+    assert named
+    assert folders
+    assert named - present == set()
+    assert folders - present_folders == set()
+    for dotted in re.findall(r"`(_[a-z_]+)\.[A-Z_]+`", text):  # e.g. `_module.NAME`
+        assert dotted in present_folders | {name[:-3] for name in present}, dotted

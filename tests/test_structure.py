@@ -104,3 +104,20 @@ def test_importing_the_package_loads_no_optional_library():
     code = f"import sys, sdpa_array; print([m for m in {optional!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_dir_lists_the_public_names_only():
+    """``dir()`` (tab completion) shows what a user may call: every exported name, the
+    torch layer and the subpackages, and none of the modules the package imports for
+    itself."""
+    import sdpa_array
+
+    listed = dir(sdpa_array)
+    assert set(sdpa_array.__all__) <= set(listed)
+    assert {"MultiheadAttention", "reference", "testing", "__version__"} <= set(listed)
+    assert not {"sys", "types", "version", "PackageNotFoundError"} & set(listed)
+    assert all(not name.startswith("_") or name == "__version__" for name in listed)
+    assert dir(sdpa_array.nn) == ["MultiheadAttention"]
+    for name in listed:  # each listed name is there
+        if name != "MultiheadAttention":  # imports torch, which this session may lack
+            getattr(sdpa_array, name)

@@ -232,3 +232,75 @@ def test_keyword_type_lists_every_keyword():
     typed = set(typing.get_type_hints(AttentionKeywords, include_extras=False).keys())
     assert typed == keywords - flags
     assert {f.name for f in dataclasses.fields(Options)} <= typed
+
+
+#: Entry points and their arrays, each called with keywords other libraries spell.
+PEER_ENTRIES = {
+    "scaled_dot_product_attention": lambda **kw: call(**kw),
+    "scaled_dot_product_attention_vjp": lambda **kw: sdpa_array.scaled_dot_product_attention_vjp(
+        Q, K, V, np.ones((2, 4, 5, 3), dtype=F), **kw
+    ),
+    "scaled_dot_product_attention_varlen": lambda **kw: (
+        sdpa_array.scaled_dot_product_attention_varlen(
+            Q[0, :, :5].transpose(1, 0, 2),
+            K[0].transpose(1, 0, 2),
+            V[0].transpose(1, 0, 2),
+            np.array([0, 5]),
+            np.array([0, 6]),
+            **kw,
+        )
+    ),
+    "explain": lambda **kw: sdpa_array.explain(Q, K, V, **kw),
+    "attention_with_kv_cache": lambda **kw: sdpa_array.attention_with_kv_cache(
+        Q[:, :, :1], K, V, cache_lengths=np.array([6, 6]), **kw
+    ),
+    "multi_head_attention": lambda **kw: sdpa_array.multi_head_attention(
+        np.ones((2, 5, 8), dtype=F),
+        np.ones((2, 5, 8), dtype=F),
+        np.ones((2, 5, 8), dtype=F),
+        {name: np.eye(8, dtype=F) for name in ("q_weight", "k_weight", "v_weight", "out_weight")},
+        num_heads=2,
+        **kw,
+    ),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(PEER_ENTRIES))
+@pytest.mark.parametrize(
+    ("spelling", "meant"),
+    [
+        ("attn_mask", r"mask= for a boolean mask .* bias= for a floating additive mask"),
+        ("attn_bias", r"bias="),
+        ("causal", r"is_causal="),
+        ("softmax_scale", r"scale="),
+    ],
+)
+def test_peer_spellings_name_what_they_are_here(entry, spelling, meant):
+    with pytest.raises(TypeError, match=rf"{entry}\(\) got an unexpected keyword argument") as e:
+        PEER_ENTRIES[entry](**{spelling: None})
+    assert re.search(rf"'{spelling}': here it is {meant}", str(e.value))
+
+
+def test_unknown_keywords_list_the_keywords_there_are():
+    with pytest.raises(TypeError) as e:
+        call(frobnicate=1, causal=True)
+    text = str(e.value)
+    assert "got unexpected keywords 'causal': here it is is_causal=; 'frobnicate';" in text
+    assert text.endswith(
+        "scaled_dot_product_attention()'s keywords are alignment, bias, "
+        + (
+            "bias_mod, block_k, block_q, dropout_p, dropout_seed, enable_gqa, implementation, "
+            "is_causal, key_lengths, layout, mask, mask_mod, padding_side, query_lengths, "
+            "return_lse, return_max_scores, return_weights, scale, score_mod, segment_ids, sinks, "
+            "softcap, window"
+        )
+    )
+
+
+def test_errors_inside_a_call_with_known_keywords_are_not_replaced():
+    with pytest.raises(
+        TypeError, match=r"mask must be boolean \(True = may attend\), got dtype float32"
+    ):
+        call(mask=np.ones((5, 6), dtype=F))
+    with pytest.raises(TypeError, match=r"positional-only arguments passed as keyword"):
+        sdpa_array.scaled_dot_product_attention(query=Q, key=K, value=V)

@@ -25,6 +25,7 @@ from .._arrays.typing import (
 from .._plan import cache
 from .._problem.options import Options
 from .._problem.outputs import Outputs
+from .._problem.peer_keywords import names_peer_spellings
 from .._problem.problem import validate
 from .jax_eager import eager_jax, run_jitted
 from .layout import check_layout, heads_first_forward
@@ -122,6 +123,7 @@ def scaled_dot_product_attention(
 ) -> Array | tuple[Array, ...]: ...
 
 
+@names_peer_spellings
 def scaled_dot_product_attention(
     query: Array,
     key: Array,

@@ -8,11 +8,13 @@ and merges the heads through the output projection. :class:`MultiheadAttention` 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 from .._arrays.compat import array_namespace, device
 from .._arrays.typing import Array
+from .._problem.peer_keywords import unexpected_keywords
 from .._problem.scalar_options import check_flag
 from .forward import scaled_dot_product_attention
 
@@ -34,6 +36,13 @@ PARAMETER_NAMES = (
     "bias_v",
 )
 _REQUIRED = ("q_weight", "k_weight", "v_weight", "out_weight")
+
+#: The keywords :func:`multi_head_attention` passes on to the attention function.
+_ATTENTION_KEYWORDS = frozenset(
+    name
+    for name, p in inspect.signature(scaled_dot_product_attention).parameters.items()
+    if p.kind is p.KEYWORD_ONLY
+)
 
 
 def _check(
@@ -202,6 +211,14 @@ def multi_head_attention(
         if x is None:
             raise TypeError(f"{name} must be an array, got None")
     check_flag("add_zero_attn", add_zero_attn)
+    if options.keys() - _ATTENTION_KEYWORDS:
+        raise TypeError(
+            unexpected_keywords(
+                "multi_head_attention",
+                options.keys() - _ATTENTION_KEYWORDS,
+                _ATTENTION_KEYWORDS | {"num_heads", "num_kv_heads", "add_zero_attn"},
+            )
+        )
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _check(query, key, value, params, num_heads, kv_heads)
     given = {f"params[{n!r}]": v for n, v in params.items() if v is not None}

@@ -25,6 +25,7 @@ from .._arrays.typing import (
 )
 from .._problem.mod_parameters import check_mod_gradients
 from .._problem.options import Options
+from .._problem.peer_keywords import names_peer_spellings
 from .._problem.problem import Problem, validate
 from .._problem.scalar_options import check_flag
 from .jax_eager import eager_jax, run_jitted
@@ -69,6 +70,7 @@ def check_cotangent(
         )
 
 
+@names_peer_spellings
 def scaled_dot_product_attention_vjp(
     query: Array,
     key: Array,

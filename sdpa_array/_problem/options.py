@@ -19,6 +19,7 @@ import numpy as np
 
 from .._arrays.compat import array_namespace, is_dask_array
 from .._arrays.typing import Alignment, Array, BiasMod, MaskMod, PaddingSide, ScoreMod
+from .peer_keywords import unexpected_keywords
 
 __all__ = ["Options", "check_dropout"]
 
@@ -63,12 +64,9 @@ class Options:
     def of(cls, options: dict[str, Any], *, where: str) -> Options:
         """The record of keyword arguments ``options``; an unknown name is a ``TypeError``
         naming the function ``where`` that received it and the options there are."""
-        unknown = sorted(set(options) - NAMES)
+        unknown = options.keys() - NAMES
         if unknown:
-            raise TypeError(
-                f"{where}() got unexpected keyword argument(s) {', '.join(unknown)}; its "
-                f"options are {', '.join(sorted(NAMES))}"
-            )
+            raise TypeError(unexpected_keywords(where, unknown, NAMES))
         return cls(**options)
 
     def replace(self, **changes: Any) -> Options:

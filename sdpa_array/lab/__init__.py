@@ -5,7 +5,7 @@ Each experiment is an Array-API function: it draws its random inputs with NumPy
 chosen backend from :mod:`sdpa_array.testing.backends`, does the arithmetic there, and
 returns a small frozen dataclass of host (NumPy) summaries. The experiments do not plot:
 the ``table_*`` functions turn a result into text and the ``draw_*`` functions draw it on a
-matplotlib figure, for ``python -m sdpa_array explain`` and the documentation's gallery.
+matplotlib figure, for ``python -m sdpa_array experiments`` and the documentation's gallery.
 
 ========================================  ==============================================
 experiment                                claim checked

@@ -1,4 +1,5 @@
-"""Matplotlib figures of the experiments' results, as ``python -m sdpa_array explain`` saves them.
+"""Matplotlib figures of the experiments' results, as ``python -m sdpa_array experiments``
+saves them.
 
 Each experiment has a ``draw_*`` function that fills the :class:`matplotlib.figure.Figure` it
 is given (and sets its size); the documentation's gallery draws the same figures. This module

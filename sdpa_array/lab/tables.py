@@ -1,4 +1,5 @@
-"""Plain-text tables of the experiments' results, as ``python -m sdpa_array explain`` prints them.
+"""Plain-text tables of the experiments' results, as ``python -m sdpa_array experiments``
+prints them.
 
 Each experiment has a ``table_*`` function that turns its result into aligned columns and a
 note on how to read them; :func:`format_table` and :func:`pattern_text` are the building

@@ -26,6 +26,7 @@ from ..._arrays.typing import Array
 from ..._kernels.triton import plan_triton
 from ..._problem.band import window_bounds
 from ..._problem.options import Options
+from ..._problem.peer_keywords import unexpected_keywords
 from ..._problem.problem import Inputs, Problem, validate
 from ..._problem.scalar_options import check_flag
 from .starts import check_starts
@@ -154,10 +155,7 @@ def _check_options(options: dict[str, Any]) -> None:
             "use scaled_dot_product_attention on the gathered keys for them"
         )
     if unknown:
-        raise TypeError(
-            f"attention_with_kv_cache() got unexpected keyword argument(s) {', '.join(unknown)}; "
-            f"its options are {', '.join(OPTIONS)}"
-        )
+        raise TypeError(unexpected_keywords("attention_with_kv_cache", unknown, OPTIONS))
     alignment = options.get("alignment", "bottom_right")
     if alignment != "bottom_right":
         raise ValueError(

@@ -19,6 +19,7 @@ from ..._arrays.typing import Alignment, Array, BiasMod, MaskMod, ScoreMod
 from ..._problem.options import Options
 from ..._problem.outputs import Outputs
 from ..._problem.packed import check_packed
+from ..._problem.peer_keywords import names_peer_spellings
 from ..._problem.problem import Problem
 from ..jax_eager import eager_jax, run_jitted
 from ..layout import swap_heads_and_length
@@ -28,6 +29,7 @@ from .sequences import keywords_of, sequences, static_offsets
 __all__ = ["scaled_dot_product_attention_varlen"]
 
 
+@names_peer_spellings
 def scaled_dot_product_attention_varlen(
     query: Array,
     key: Array,

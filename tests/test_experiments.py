@@ -1,4 +1,4 @@
-"""``python -m sdpa_array explain`` end to end, and its text helpers."""
+"""``python -m sdpa_array experiments`` end to end, and its text helpers."""
 
 from __future__ import annotations
 
@@ -9,22 +9,22 @@ import numpy as np
 import pytest
 
 from sdpa_array import lab
-from sdpa_array.lab.cli import explain
+from sdpa_array.lab.cli import experiments
 from sdpa_array.testing.backends import BACKENDS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def test_explain_writes_one_figure_per_experiment(
+def test_experiments_writes_one_figure_per_experiment(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("matplotlib", reason="figures need matplotlib (the plot extra)")
     out = tmp_path / "figures"
-    assert explain.main(["--out", str(out), "--backend", "numpy"]) == 0
+    assert experiments.main(["--out", str(out), "--backend", "numpy"]) == 0
     printed = capsys.readouterr().out
     names = sorted(p.name for p in out.iterdir())
-    assert names == sorted(f"{e.name}.png" for e in explain.EXPERIMENTS)
-    for exp in explain.EXPERIMENTS:
+    assert names == sorted(f"{e.name}.png" for e in experiments.EXPERIMENTS)
+    for exp in experiments.EXPERIMENTS:
         png = out / f"{exp.name}.png"
         assert png.stat().st_size > 10_000
         assert png.read_bytes()[:8] == PNG_MAGIC
@@ -33,29 +33,31 @@ def test_explain_writes_one_figure_per_experiment(
     assert "7 published figures are wrong beyond rounding" in printed
 
 
-def test_explain_without_matplotlib(
+def test_experiments_without_matplotlib(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
-    assert explain.main(["--out", str(tmp_path / "figures")]) == 0
+    assert experiments.main(["--out", str(tmp_path / "figures")]) == 0
     printed = capsys.readouterr().out
     assert "figures skipped" in printed
     assert not (tmp_path / "figures").exists()
-    for exp in explain.EXPERIMENTS:
+    for exp in experiments.EXPERIMENTS:
         assert exp.title in printed
 
 
-def test_explain_unavailable_backend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_experiments_unavailable_backend(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     absent = [b for b in BACKENDS if not b.is_available()]
     if not absent:
         pytest.skip("every registered backend is available on this machine")
-    assert explain.main(["--out", str(tmp_path), "--backend", absent[0].id]) == 2
+    assert experiments.main(["--out", str(tmp_path), "--backend", absent[0].id]) == 2
     assert "not available" in capsys.readouterr().err
 
 
-def test_explain_rejects_unknown_backend(tmp_path: Path) -> None:
+def test_experiments_rejects_unknown_backend(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as info:
-        explain.main(["--out", str(tmp_path), "--backend", "nonesuch"])
+        experiments.main(["--out", str(tmp_path), "--backend", "nonesuch"])
     assert info.value.code == 2
 
 

@@ -1,4 +1,4 @@
-"""``python -m sdpa_array explain``: run :mod:`sdpa_array.lab`, print tables, draw figures.
+"""``python -m sdpa_array experiments``: run :mod:`sdpa_array.lab`, print tables, draw figures.
 
 Each experiment of :mod:`sdpa_array.lab` has a ``table_*`` function (plain text with aligned
 columns, :mod:`sdpa_array.lab.tables`) and a ``draw_*`` function that fills a given
@@ -26,7 +26,7 @@ __all__ = ["EXPERIMENTS", "Experiment", "main"]
 
 @dataclass(frozen=True)
 class Experiment:
-    """One experiment of the ``explain`` command.
+    """One experiment of the ``experiments`` command.
 
     Attributes
     ----------
@@ -114,7 +114,7 @@ def _save(exp: Experiment, result: Any, path: Path) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m sdpa_array explain",
+        prog="python -m sdpa_array experiments",
         description="Run the experiments of sdpa_array.lab (the claims about attention "
         "derived on the documentation's Theory page) on one backend, print their tables and "
         "save one PNG figure per experiment.",
@@ -130,12 +130,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m sdpa_array explain --out DIR [--backend ID]``.
+    """Entry point of ``python -m sdpa_array experiments --out DIR [--backend ID]``.
 
     Parameters
     ----------
     argv : list of str, optional
-        The arguments after ``explain``; default ``sys.argv[1:]``.
+        The arguments after ``experiments``; default ``sys.argv[1:]``.
 
     Returns
     -------
