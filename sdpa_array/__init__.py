@@ -33,9 +33,8 @@ from ._api.varlen import (
 from ._api.vjp import scaled_dot_product_attention_vjp
 from ._arrays.merge import merge_attention_states
 from ._arrays.parallel import get_num_threads, set_num_threads
+from ._errors import CannotDelegateError, CannotUseTritonError
 from ._kernels.dropout import dropout_keep_mask
-from ._kernels.native import CannotDelegateError
-from ._kernels.triton import CannotUseTritonError
 from ._problem.block_mask import BlockMask, create_block_mask
 
 __all__ = [
@@ -58,9 +57,6 @@ __all__ = [
     "scaled_dot_product_attention_vjp",
     "set_num_threads",
 ]
-
-CannotDelegateError.__module__ = __name__  # shown as sdpa_array.CannotDelegateError
-CannotUseTritonError.__module__ = __name__
 
 
 def _torch_layer(name: str, where: str) -> object:

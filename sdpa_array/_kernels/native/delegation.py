@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..._arrays.typing import Array
+from ..._errors import CannotDelegateError
 from ..._problem.outputs import Outputs
 from ..._problem.problem import Inputs, Problem
 from ..layout import leading_axes, ungroup
@@ -41,13 +42,6 @@ __all__ = [
     "score_terms",
     "weights_from_lse",
 ]
-
-
-class CannotDelegateError(ValueError):
-    """``implementation="native"`` was asked for a call no native kernel computes exactly.
-
-    The message lists, for each kernel of the caller's library, why it does not apply.
-    """
 
 
 @dataclass(frozen=True)

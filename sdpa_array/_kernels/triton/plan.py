@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 
 from ..._arrays.compat import namespace_name
+from ..._errors import CannotUseTritonError
 from ..._problem.problem import Inputs, Problem
 from .configs import interpreting
 
@@ -19,10 +20,6 @@ __all__ = ["MAX_HEAD_DIM", "CannotUseTritonError", "plan_triton"]
 
 #: Largest query/key and value head dim (each is padded to a power of two, at least 16).
 MAX_HEAD_DIM = 256
-
-
-class CannotUseTritonError(ValueError):
-    """The Triton kernels cannot compute this call exactly (the message says why)."""
 
 
 def _device_reason(p: Problem, lib: str) -> str | None:
