@@ -1,8 +1,8 @@
 """The package's layout keeps its promises: no import circle, small modules, no reaching
 into another module's private names, no optional library loaded by ``import sdpa_array``.
 
-These read the source with :mod:`ast` and import nothing of the package, except the last,
-which imports it in a child process.
+These read the source with :mod:`ast` and import nothing of the package, except those that
+ask what ``import sdpa_array`` loads (in a child process) and what ``dir()`` lists.
 """
 
 from __future__ import annotations
@@ -121,3 +121,32 @@ def test_dir_lists_the_public_names_only():
     for name in listed:  # each listed name is there
         if name != "MultiheadAttention":  # imports torch, which this session may lack
             getattr(sdpa_array, name)
+
+
+#: The oracle's public functions: they keep their keywords one by one.
+ORACLE_PUBLIC = {
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_vjp",
+    "intermediates",
+}
+
+
+def test_oracle_gathers_its_options_once():
+    """Inside the oracle no function takes ten or more of the options one by one and no
+    call passes ten or more option keywords: the public functions gather them into
+    ``OracleOptions`` and hand on the record."""
+    record = ast.parse((PACKAGE / "reference" / "_options.py").read_text())
+    (options,) = [n for n in record.body if isinstance(n, ast.ClassDef)]
+    names = {n.target.id for n in options.body if isinstance(n, ast.AnnAssign)}
+    assert len(names) >= 10
+    crowded = []
+    for path in (PACKAGE / "reference").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name not in ORACLE_PUBLIC:
+                a = node.args
+                taken = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)} & names
+                if len(taken) >= 10:
+                    crowded.append(f"{path.name}:{node.lineno} def {node.name}")
+            if isinstance(node, ast.Call) and len({k.arg for k in node.keywords} & names) >= 10:
+                crowded.append(f"{path.name}:{node.lineno} call {ast.unparse(node.func)}")
+    assert crowded == []

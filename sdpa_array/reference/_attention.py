@@ -9,6 +9,7 @@ import numpy as np
 
 from ._forward import forward_pass, validate_and_prepare
 from ._layout import heads_back, heads_first
+from ._options import OracleOptions
 
 __all__ = ["intermediates", "scaled_dot_product_attention"]
 
@@ -197,30 +198,10 @@ def scaled_dot_product_attention(
            [2.],
            [5.]])
     """
+    options = OracleOptions.gather(locals())
     query, key, value = heads_first(layout, query, key, value)
-    prep = validate_and_prepare(
-        query,
-        key,
-        value,
-        mask,
-        bias,
-        window,
-        alignment,
-        scale,
-        softcap,
-        enable_gqa,
-        query_lengths,
-        key_lengths,
-        segment_ids,
-        sinks=sinks,
-        padding_side=padding_side,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-        mask_mod=mask_mod,
-        bias_mod=bias_mod,
-        score_mod=score_mod,
-    )
-    fwd = forward_pass(prep, is_causal, window, alignment, softcap)
+    prep = validate_and_prepare(query, key, value, options)
+    fwd = forward_pass(prep, options)
     out = heads_back(layout, fwd["out"])
     if not (return_weights or return_lse or return_max_scores):
         return out
@@ -271,28 +252,8 @@ def intermediates(
     restriction included), ``weights``, ``out`` and ``lse``. :mod:`sdpa_array.testing`
     derives the gradients' error bounds from them.
     """
-    prep = validate_and_prepare(
-        query,
-        key,
-        value,
-        mask,
-        bias,
-        window,
-        alignment,
-        scale,
-        softcap,
-        enable_gqa,
-        query_lengths,
-        key_lengths,
-        segment_ids,
-        sinks=sinks,
-        padding_side=padding_side,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-        mask_mod=mask_mod,
-        bias_mod=bias_mod,
-        score_mod=score_mod,
-    )
-    fwd = forward_pass(prep, is_causal, window, alignment, softcap)
+    options = OracleOptions.gather(locals())
+    prep = validate_and_prepare(query, key, value, options)
+    fwd = forward_pass(prep, options)
     keep = ("q", "k_rep", "v_rep", "group", "scale")
     return {**{name: prep[name] for name in keep}, **fwd}

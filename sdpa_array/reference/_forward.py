@@ -13,6 +13,7 @@ import numpy as np
 from ._convert import as_float64, to_numpy
 from ._dropout import keep_mask
 from ._mods import check_mods, evaluate_mod, evaluate_score, index_grids
+from ._options import OracleOptions
 from ._restrictions import allowed_by_index, as_lengths, as_segments, resolve_scale
 
 __all__ = ["ALIGNMENTS", "forward_pass", "score_derivative", "validate_and_prepare"]
@@ -20,29 +21,7 @@ __all__ = ["ALIGNMENTS", "forward_pass", "score_derivative", "validate_and_prepa
 ALIGNMENTS = ("top_left", "bottom_right")
 
 
-def validate_and_prepare(
-    query: Any,
-    key: Any,
-    value: Any,
-    mask: Any,
-    bias: Any,
-    window: Any,
-    alignment: str,
-    scale: Any,
-    softcap: float | None,
-    enable_gqa: bool,
-    query_lengths: Any = None,
-    key_lengths: Any = None,
-    segment_ids: Any = None,
-    *,
-    sinks: Any = None,
-    padding_side: str = "right",
-    dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
-    mask_mod: Any = None,
-    bias_mod: Any = None,
-    score_mod: Any = None,
-) -> dict[str, Any]:
+def validate_and_prepare(query: Any, key: Any, value: Any, o: OracleOptions) -> dict[str, Any]:
     """Convert the inputs, check their shapes and expand GQA heads.
 
     Returns a dict with float64 ``q``, ``k``, ``v`` and ``k_rep``, ``v_rep`` (keys/values
@@ -57,43 +36,43 @@ def validate_and_prepare(
     mod's result broadcast to the scores' shape (boolean / float64; see ``_mods``), and
     ``score_mod`` (the function, or ``None``) with ``score_grids``, NumPy index arrays.
     """
-    check_mods(mask_mod, bias_mod, score_mod)
+    check_mods(o.mask_mod, o.bias_mod, o.score_mod)
     q = as_float64(query)
     k = as_float64(key)
     v = as_float64(value)
 
-    _check_shapes_and_options(q, k, v, alignment, softcap, window)
-    group, k_rep, v_rep = _expand_gqa(q, k, v) if enable_gqa else (1, k, v)
-    scale_value, scale_is_array = resolve_scale(scale, q.shape[-1])
+    _check_shapes_and_options(q, k, v, o.alignment, o.softcap, o.window)
+    group, k_rep, v_rep = _expand_gqa(q, k, v) if o.enable_gqa else (1, k, v)
+    scale_value, scale_is_array = resolve_scale(o.scale, q.shape[-1])
 
     # Batch shape: the broadcast leading axes of all three inputs, less the heads axis
     # (-3) where there is one. Lengths and segment ids are per batch element, not per head.
     lead = np.broadcast_shapes(q.shape[:-2], k_rep.shape[:-2], v_rep.shape[:-2])
     batch = lead[:-1]
     L, S = q.shape[-2], k.shape[-2]
-    q_lengths = as_lengths("query_lengths", query_lengths, batch, L)
-    k_lengths = as_lengths("key_lengths", key_lengths, batch, S)
-    segments = as_segments(segment_ids, batch, L, S)
+    q_lengths = as_lengths("query_lengths", o.query_lengths, batch, L)
+    k_lengths = as_lengths("key_lengths", o.key_lengths, batch, S)
+    segments = as_segments(o.segment_ids, batch, L, S)
 
     mask_np = None
-    if mask is not None:
-        mask_np = to_numpy(mask)
+    if o.mask is not None:
+        mask_np = to_numpy(o.mask)
         if mask_np.dtype != np.bool_:
             raise TypeError(f"mask must be boolean (True = may attend), got {mask_np.dtype}")
-    bias_np = None if bias is None else as_float64(bias)
+    bias_np = None if o.bias is None else as_float64(o.bias)
 
-    given_sinks = None if sinks is None else as_float64(sinks)
+    given_sinks = None if o.sinks is None else as_float64(o.sinks)
     sinks_np = None if given_sinks is None else _broadcast_sinks(given_sinks, lead)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0 and dropout_seed is None:
+    if not 0.0 <= o.dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {o.dropout_p!r}")
+    if o.dropout_p > 0 and o.dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed")
 
     # The mods, evaluated once on the full (batch..., Hq, L, S) grid of indices.
     mods: dict[str, np.ndarray | None] = {"mask_mod": None, "bias_mod": None}
-    if mask_mod is not None or bias_mod is not None:
+    if o.mask_mod is not None or o.bias_mod is not None:
         grids = index_grids(query, lead, L, S)
-        for name, fn in (("mask_mod", mask_mod), ("bias_mod", bias_mod)):
+        for name, fn in (("mask_mod", o.mask_mod), ("bias_mod", o.bias_mod)):
             if fn is not None:
                 mods[name] = evaluate_mod(name, fn, grids, (*lead, L, S))
 
@@ -113,14 +92,14 @@ def validate_and_prepare(
         "key_lengths": k_lengths,
         "segments": segments,
         "sinks": sinks_np,
-        "padding_side": padding_side,
+        "padding_side": o.padding_side,
         "sinks_shape": None if given_sinks is None else given_sinks.shape,
-        "dropout_p": float(dropout_p),
+        "dropout_p": float(o.dropout_p),
         # a seed given as a 0-d array of any library counts by its value
-        "dropout_seed": None if dropout_seed is None else int(to_numpy(dropout_seed)),
+        "dropout_seed": None if o.dropout_seed is None else int(to_numpy(o.dropout_seed)),
         **mods,
-        "score_mod": score_mod,
-        "score_grids": None if score_mod is None else index_grids(q, lead, L, S),
+        "score_mod": o.score_mod,
+        "score_grids": None if o.score_mod is None else index_grids(q, lead, L, S),
     }
 
 
@@ -177,9 +156,7 @@ def _broadcast_sinks(sinks: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
     return np.broadcast_to(sinks, lead)
 
 
-def forward_pass(
-    prep: dict[str, Any], is_causal: bool, window: Any, alignment: str, softcap: float | None
-) -> dict[str, np.ndarray]:
+def forward_pass(prep: dict[str, Any], o: OracleOptions) -> dict[str, np.ndarray]:
     """All forward intermediates, in float64.
 
     Keys: ``raw`` (scaled scores before softcap), ``max_scores`` (``(..., Hq)``, the
@@ -207,6 +184,7 @@ def forward_pass(
     modded = raw
     if prep["score_mod"] is not None:  # after the scale, before the softcap
         modded = evaluate_score("score_mod", prep["score_mod"], raw, prep["score_grids"])
+    softcap = o.softcap
     scores = softcap * np.tanh(modded / softcap) if softcap is not None else modded
     if prep["bias"] is not None:
         # Must broadcast *to* the scores' shape (it may not add batch axes).
@@ -222,9 +200,9 @@ def forward_pass(
         prep["query_lengths"],
         prep["key_lengths"],
         prep["segments"],
-        is_causal,
-        window,
-        alignment,
+        o.is_causal,
+        o.window,
+        o.alignment,
         prep["padding_side"],
     )
     if lead:

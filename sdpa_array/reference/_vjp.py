@@ -12,6 +12,7 @@ from ._convert import as_float64
 from ._forward import forward_pass, score_derivative, validate_and_prepare
 from ._layout import heads_back, heads_first
 from ._mods import index_grids, parameter_gradients, score_parameter_gradients
+from ._options import OracleOptions
 
 __all__ = ["scaled_dot_product_attention_vjp"]
 
@@ -149,30 +150,10 @@ def scaled_dot_product_attention_vjp(
     >>> dscale
     array(0.)
     """
+    options = OracleOptions.gather(locals())
     query, key, value, grad_output = heads_first(layout, query, key, value, grad_output)
-    prep = validate_and_prepare(
-        query,
-        key,
-        value,
-        mask,
-        bias,
-        window,
-        alignment,
-        scale,
-        softcap,
-        enable_gqa,
-        query_lengths,
-        key_lengths,
-        segment_ids,
-        sinks=sinks,
-        padding_side=padding_side,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-        mask_mod=mask_mod,
-        bias_mod=bias_mod,
-        score_mod=score_mod,
-    )
-    fwd = forward_pass(prep, is_causal, window, alignment, softcap)
+    prep = validate_and_prepare(query, key, value, options)
+    fwd = forward_pass(prep, options)
     q, k_rep, v_rep = prep["q"], prep["k_rep"], prep["v_rep"]
     P = fwd["weights_all"]  # (..., Hq, L, S [+ 1 sink column])
     S = fwd["weights"].shape[-1]
