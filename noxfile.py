@@ -208,28 +208,148 @@ def docs(session: nox.Session) -> None:
     )
 
 
+#: The instruction-set extensions that decide which BLAS and torch kernels run, named in
+#: the asv machine's CPU description (a figure from another family is another machine's).
+CPU_FLAGS = (
+    "sse4_2",
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+)
+
+#: The history selection of the asv suite: the tracked ratios (asv_benchmarks/benchmarks/
+#: history.py), about two minutes a commit on 2 cores.
+HISTORY = "^history\\."
+
+#: The regression gate's factor: a tracked ratio that grows by more than this between main
+#: and HEAD fails ``bench-compare``. Repeating the history selection on one commit
+#: (``nox -s bench-noise``) measured its band; the factor is at least the widest band.
+GATE_FACTOR = 1.25
+
+
+def _asv_machine(session: nox.Session) -> str:
+    """Register this machine with asv under a name made of its CPU model, cores and the
+    widest vector extension it has, with the model and flags as its CPU description;
+    return the name."""
+    import platform
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    cores = os.cpu_count() or 1
+    present = [f for f in CPU_FLAGS if f in flags]
+    widest = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "sse"
+    name = os.environ.get(
+        "SDPA_ASV_MACHINE",
+        re.sub(r"[^a-z0-9]+", "-", f"{model} {cores}cpu {widest}".lower()).strip("-"),
+    )
+    memory = ""
+    try:
+        kib = int(Path("/proc/meminfo").read_text().split()[1])
+        memory = f"{round(kib / 2**20)}GB"
+    except (OSError, ValueError, IndexError):
+        pass
+    session.run(
+        "asv", "machine", "--yes", "--machine", name, "--os", platform.platform(),
+        "--arch", platform.machine(), "--cpu", f"{model}; flags: {' '.join(present)}",
+        "--num_cpu", str(cores), "--ram", memory,
+    )  # fmt: skip
+    return name
+
+
+def _bench_session(session: nox.Session) -> str:
+    """Install asv, change to the suite's folder, name the machine; return its name."""
+    session.install(TORCH)
+    session.install("-e", ".[bench,torch,perf]")
+    session.chdir("asv_benchmarks")
+    return _asv_machine(session)
+
+
+def _git(session: nox.Session, *args: str) -> str:
+    return str(session.run("git", *args, external=True, silent=True)).strip()
+
+
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """Run the asv suite (quick profile) against this checkout and publish the HTML.
+    """Run the whole asv suite (quick profile) against this checkout and publish the HTML.
 
     ``SDPA_BENCH_PROFILE=full`` (passed through from the environment) adds L = S = 4096,
     float16 and L = S = 32768.
     """
-    session.install(TORCH)
-    session.install("-e", ".[bench,torch,perf]")
-    session.chdir("asv_benchmarks")
-    session.run("asv", "machine", "--yes")
-    head = str(session.run("git", "rev-parse", "HEAD", external=True, silent=True)).strip()
+    machine = _bench_session(session)
+    head = _git(session, "rev-parse", "HEAD")
     session.run(
         "asv",
         "run",
         "--python=same",
         "--quick",
         "--show-stderr",
+        f"--machine={machine}",
         f"--set-commit-hash={head}",
         *session.posargs,
         env={"SDPA_BENCH_PROFILE": os.environ.get("SDPA_BENCH_PROFILE", "quick")},
     )
+    session.run("asv", "publish")
+
+
+@nox.session(name="bench-history", default=False)
+def bench_history(session: nox.Session) -> None:
+    """Run the history selection over the commits of ``asv_benchmarks/history_commits.txt``
+    and HEAD, each installed in asv's pinned environment, skipping the commits this machine
+    has results for; the results (JSON under ``asv_benchmarks/results/``) are committed."""
+    machine = _bench_session(session)
+    listed = Path("history_commits.txt").read_text().split("\n")
+    commits = [line.split()[0] for line in listed if line.strip() and not line.startswith("#")]
+    commits.append(_git(session, "rev-parse", "HEAD"))
+    Path(session.create_tmp(), "commits.txt").write_text("\n".join(commits) + "\n")
+    session.run(
+        "asv", "run", "--bench", HISTORY, "--skip-existing", "--show-stderr",
+        f"--machine={machine}", f"HASHFILE:{Path(session.create_tmp(), 'commits.txt')}",
+        *session.posargs,
+    )  # fmt: skip
+
+
+@nox.session(name="bench-compare", default=False)
+def bench_compare(session: nox.Session) -> None:
+    """The regression gate: the history selection on main's tip and on HEAD (each installed
+    in asv's pinned environment), failing where a tracked ratio grew by more than
+    :data:`GATE_FACTOR` (``asv continuous``). Commit the change first: asv measures
+    commits, not the working tree."""
+    _bench_session(session)
+    base = session.posargs[0] if session.posargs else "main"
+    session.run(
+        "asv", "continuous", "--bench", HISTORY, "--factor", str(GATE_FACTOR),
+        "--show-stderr", "--split", base, "HEAD",
+    )  # fmt: skip
+
+
+@nox.session(name="bench-noise", default=False)
+def bench_noise(session: nox.Session) -> None:
+    """The noise band of the history selection: its figures measured ``N`` times (default
+    3) on this checkout in one environment, each figure's max / min printed: the
+    regression gate's :data:`GATE_FACTOR` must be at least the widest."""
+    session.install(TORCH)
+    session.install("-e", ".[bench,torch,perf]")
+    repeats = session.posargs[0] if session.posargs else "3"
+    session.run("python", "asv_benchmarks/noise_band.py", repeats)
+
+
+@nox.session(name="bench-publish", default=False)
+def bench_publish(session: nox.Session) -> None:
+    """The HTML pages of the committed results (``asv_benchmarks/html/``, not committed),
+    which the docs' performance page links to."""
+    session.install("-e", ".[bench]")
+    session.chdir("asv_benchmarks")
     session.run("asv", "publish")
 
 
