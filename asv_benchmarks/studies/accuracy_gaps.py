@@ -25,8 +25,8 @@ the large-logit cases pool ``--large-seeds`` (12) draws. The ratio to the better
 kernels is biased upwards too: the last lines give the same worst ratios for torch's own
 default kernel. About 20 minutes on one thread::
 
-    python asv_benchmarks/accuracy_gaps.py --seeds 3
-    python asv_benchmarks/accuracy_gaps.py --quick   # L <= 256, one seed
+    python asv_benchmarks/studies/accuracy_gaps.py --seeds 3
+    python asv_benchmarks/studies/accuracy_gaps.py --quick   # L <= 256, one seed
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ torch CPU, float32, self-attention at three sizes: ``sdpa_array.scaled_dot_produ
 and torch's function called directly, interleaved call by call; the table gives each median
 with its min-max, the difference (our validation and planning per call) and torch / ours::
 
-    python asv_benchmarks/dispatch_overhead.py --calls 200
+    python asv_benchmarks/studies/dispatch_overhead.py --calls 200
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ same call under the caller's own ``jax.jit``, and the eager call with
 ``SDPA_ARRAY_JAX_EAGER_JIT=0`` (operation by operation, as before). The first eager call's
 time (tracing and compiling) is printed too::
 
-    python asv_benchmarks/jax_eager_bench.py
-    python asv_benchmarks/jax_eager_bench.py --shapes 1x8x2048x64 --dtype bfloat16
+    python asv_benchmarks/studies/jax_eager_bench.py
+    python asv_benchmarks/studies/jax_eager_bench.py --shapes 1x8x2048x64 --dtype bfloat16
 
 Run on a GPU to measure issue 29's figures (``JAX_PLATFORMS=cuda``).
 """

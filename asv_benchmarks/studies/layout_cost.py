@@ -5,7 +5,7 @@ held as (B, H, L, E) and as (B, L, H, E), each called in its own layout, forward
 ``materialized`` and ``blocked``; rounds interleave the two layouts (alternating which goes
 first); the table gives each median with its min-max and the ratio BLHE / BHLE::
 
-    python asv_benchmarks/layout_cost.py --rounds 7
+    python asv_benchmarks/studies/layout_cost.py --rounds 7
 """
 
 from __future__ import annotations

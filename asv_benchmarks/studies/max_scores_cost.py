@@ -6,7 +6,7 @@ a bias (where the scaled products are kept beside the scores); rounds interleave
 (alternating which goes first); the table gives each median with its min-max and the ratio
 with / without (target: at most 1.05 for the plain call)::
 
-    python asv_benchmarks/max_scores_cost.py --rounds 7
+    python asv_benchmarks/studies/max_scores_cost.py --rounds 7
 """
 
 from __future__ import annotations

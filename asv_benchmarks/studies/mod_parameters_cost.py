@@ -11,7 +11,7 @@ the blocked implementation, ``(B, H, L, E) = (1, 8, L, 64)`` (``--length``, defa
 causal. Rounds interleave the cases (:func:`sdpa_array.lab.cli.bench.interleaved_times`);
 each row gives the median, its min-max and the ratio to the call without the gradients::
 
-    python asv_benchmarks/mod_parameters_cost.py --rounds 5
+    python asv_benchmarks/studies/mod_parameters_cost.py --rounds 5
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ forward at unit logits with a bias (the score bound is read, one product is kept
 interleave the two (alternating which goes first); the table gives each median with its
 min-max and the median of the per-round ratios chunks / one::
 
-    python asv_benchmarks/score_chunks_cost.py --rounds 9
+    python asv_benchmarks/studies/score_chunks_cost.py --rounds 9
 """
 
 from __future__ import annotations

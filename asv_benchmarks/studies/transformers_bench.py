@@ -7,7 +7,7 @@ model (same weights) is switched between ``array_attention`` (this library, thro
 forward of each, in alternating order; the table gives the median over rounds, the
 min-max, and the ratio of the medians, plus each forward's peak traced memory growth::
 
-    python asv_benchmarks/transformers_bench.py --rounds 9
+    python asv_benchmarks/studies/transformers_bench.py --rounds 9
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ the padded queries attending every key of their sequence). With 16 sequences of 
 16384, ``sum(L**2) >= 16384**2 / 16``, so the work ratio is at most 2 without causal and 3
 with it, both reached only when every length is 1024::
 
-    python asv_benchmarks/varlen_cost.py --rounds 5
+    python asv_benchmarks/studies/varlen_cost.py --rounds 5
 """
 
 from __future__ import annotations
