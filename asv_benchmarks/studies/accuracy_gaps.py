@@ -1,4 +1,4 @@
-"""float32 error of our NumPy kernels against torch's CPU kernels, case by case (issue 28).
+"""float32 error of our NumPy kernels against torch's CPU kernels, case by case.
 
 For each case (shape ``(B, H, L, S, E)``; plain, ``is_causal``, a boolean mask or an
 additive float bias; unit logits or large logits, q and k scaled by 31.6 so that the logits

@@ -1,4 +1,4 @@
-"""How much faster a causal call is than the same call without causal (issue 11, item 3).
+"""How much faster a causal call is than the same call without causal.
 
 Usage::
 

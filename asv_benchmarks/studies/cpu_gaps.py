@@ -1,4 +1,4 @@
-"""Issue 28's CPU figures in one table, from one interleaved run, with the command.
+"""The CPU figures against torch in one table, from one interleaved run, with the command.
 
 NumPy and torch on the CPU, float32, ``--threads`` threads (default 2) everywhere: our NumPy
 block pool (:func:`sdpa_array.set_num_threads` and ``SDPA_ARRAY_NUM_THREADS``), NumPy's BLAS
@@ -283,7 +283,7 @@ def header(args: argparse.Namespace, command: str) -> str:
     )
     return "\n".join(
         [
-            f"# Issue 28 CPU figures: `{command}`",
+            f"# CPU figures against torch: `{command}`",
             f"CPU: {_cpu_model()}, {os.cpu_count()} CPUs ({usable} usable), {platform.system()}",
             f"NumPy {np.__version__}, BLAS {built}; loaded: {running}",
             f"torch {torch.__version__} (MKL {torch.backends.mkl.is_available()}), "
@@ -291,7 +291,7 @@ def header(args: argparse.Namespace, command: str) -> str:
             f"{sdpa_array.get_num_threads()} block threads; OMP_WAIT_POLICY="
             f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}",
             f"float32, {args.rounds} interleaved rounds after one warm-up round"
-            + (" (--quick: small shapes, not the issue's figures)" if args.quick else ""),
+            + (" (--quick: small shapes, not the figures' shapes)" if args.quick else ""),
         ]
     )
 

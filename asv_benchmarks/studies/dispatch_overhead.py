@@ -1,4 +1,4 @@
-"""What ``implementation="auto"`` costs on top of torch's own kernel when it delegates (issue 28).
+"""What ``implementation="auto"`` costs on top of torch's own kernel when it delegates.
 
 torch CPU, float32, self-attention at three sizes: ``sdpa_array.scaled_dot_product_attention``
 (which validates, plans and hands the call to ``torch.nn.functional.scaled_dot_product_attention``)

@@ -209,7 +209,7 @@ def _feature_cases(
     fl_f: float,
     fl_b: float,
 ) -> list[dict[str, Any]]:
-    """Issue 24's feature rows: the Triton kernel with one feature, forward and autograd
+    """The feature rows: the Triton kernel with one feature, forward and autograd
     backward, against torch's fused call without it (ratio target 0.6)."""
     import torch
 

@@ -1,4 +1,4 @@
-"""What ``layout="BLHE"`` costs against the default layout on the same data (issue 26).
+"""What ``layout="BLHE"`` costs against the default layout on the same data.
 
 NumPy, float32, B=1, H=8, L=S=2048, E=64 (and the caller's ``--length``): the same values
 held as (B, H, L, E) and as (B, L, H, E), each called in its own layout, forward and VJP,

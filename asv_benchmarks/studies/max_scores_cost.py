@@ -1,4 +1,4 @@
-"""What ``return_max_scores=True`` costs against the same call without it (issue 27).
+"""What ``return_max_scores=True`` costs against the same call without it.
 
 NumPy, float32, B=1, H=8, L=S=4096, E=64 by default (``--length`` changes L=S), the
 blocked implementation: the same call with and without the maximum scores, plain and with

@@ -1,5 +1,4 @@
-"""What the gradients of a bias or score function's parameters cost in the backward pass
-(issue 27).
+"""What the gradients of a bias or score function's parameters cost in the backward pass.
 
 :func:`~sdpa_array.scaled_dot_product_attention_vjp` with ``bias_mod=mods.alibi(slopes)``,
 ``mods.relative_position_bias(table, num_buckets=32, max_distance=128)`` or

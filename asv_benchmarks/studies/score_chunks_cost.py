@@ -1,4 +1,4 @@
-"""What the scores in chunks cost the calls whose scores may be large (issue 28).
+"""What the scores in chunks cost the calls whose scores may be large.
 
 NumPy, float32, B=1, H=8, E=64: the blocked forward at L=S=4096 (plain and causal) and the
 blocked VJP at L=S=2048, with ``q`` and ``k`` times 31.6 (logits ~1e3, where the kernels cut

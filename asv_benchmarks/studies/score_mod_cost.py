@@ -1,4 +1,4 @@
-"""What a ``score_mod`` costs against the built-in term that computes the same scores (issue 27).
+"""What a ``score_mod`` costs against the built-in term that computes the same scores.
 
 ``score_mod=mods.tanh_softcap(c)`` gives the scores of ``softcap=c`` through the generic
 score-function path (the function called on each tile through the checks of

@@ -1,4 +1,4 @@
-"""What sinks and dropout cost on the blocked NumPy path (issue 14's targets).
+"""What sinks and dropout cost on the blocked NumPy path, against their targets.
 
 Usage::
 
