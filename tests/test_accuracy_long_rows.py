@@ -10,7 +10,7 @@ splits them into chunks of 128, or of 64 where the whole sum is at most 128 long
 the gradients at L = 128 causal before).
 
 Why this bound and these cases: at unit logits the pooled ratio repeats to about 1 %
-between pools of 3 seeds (``asv_benchmarks/accuracy_gaps.py``), so :data:`BOUND` = 1.05 is
+between pools of 3 seeds (``asv_benchmarks/studies/accuracy_gaps.py``), so :data:`BOUND` = 1.05 is
 the issue's target with room for that noise only; measured 0.88-1.02 here (rows of 256 to
 1024). Max-abs errors
 and large logits are left out: there a few rows (near ties of the two largest scores) carry

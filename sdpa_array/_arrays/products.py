@@ -20,7 +20,7 @@ The scores ``q kᵀ`` sum over the features, whose chain (64 or 128 long) is sho
 error is the whole call's where the scores are large: a score's rounding error grows with its
 magnitude and shifts its weight by as much, so at logits of ~1e3 the float32 output's error
 is 3-6x what correctly rounded scores would give (1.5x at unit logits; one thread, the shapes
-of ``asv_benchmarks/accuracy_gaps.py``; docs/performance.md, issue 28). :func:`scores` takes
+of ``asv_benchmarks/studies/accuracy_gaps.py``; docs/performance.md). :func:`scores` takes
 ``chunks`` (:func:`score_chunks`: at least two, of at most :data:`SCORE_CHUNK` features) where
 the scores may be large: the blocked kernels where the call's score bound (the soft-cap's
 where smaller) exceeds the fixed reference's limit

@@ -126,7 +126,7 @@ AUTO_MAX_SCORE_BYTES = 2**28
 #: above which ``"auto"`` runs the blocked implementation: the largest measured size at
 #: which the blocked forward was still slower than the materialized one (float32, B=1, H=8,
 #: E=64, ``L = S`` from 256 to 4096, i.e. 2 to 512 MiB of scores;
-#: ``asv_benchmarks/auto_crossover.py``, tables in docs/performance.md). NumPy: blocked
+#: ``asv_benchmarks/studies/auto_crossover.py``, tables in docs/performance.md). NumPy: blocked
 #: faster from 2 MiB (0.1-0.4x), so one tile as before. JAX (eager): forward 2.3x slower
 #: at 8 MiB, 0.6-0.85x from 32 MiB (its VJP already 0.87x at 8 MiB). array-api-strict:
 #: blocked 1.2-2.7x slower at every measured size, forward and VJP (each tile is separate

@@ -226,7 +226,7 @@ def attention_forward(
 def _decodes_through_cache(query: torch.Tensor) -> bool:
     """Whether decoding steps go through the cache function: on a CUDA device, where its
     Triton decoding kernel runs (on the CPU, torch's flash kernel with the key lengths is
-    faster than its chunks: ``asv_benchmarks/decode_route.py``)."""
+    faster than its chunks: ``asv_benchmarks/studies/decode_route.py``)."""
     return bool(query.device.type == "cuda")
 
 

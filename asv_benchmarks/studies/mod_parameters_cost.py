@@ -1,5 +1,4 @@
-"""What the gradients of a bias or score function's parameters cost in the backward pass
-(issue 27).
+"""What the gradients of a bias or score function's parameters cost in the backward pass.
 
 :func:`~sdpa_array.scaled_dot_product_attention_vjp` with ``bias_mod=mods.alibi(slopes)``,
 ``mods.relative_position_bias(table, num_buckets=32, max_distance=128)`` or
@@ -11,7 +10,7 @@ the blocked implementation, ``(B, H, L, E) = (1, 8, L, 64)`` (``--length``, defa
 causal. Rounds interleave the cases (:func:`sdpa_array.lab.cli.bench.interleaved_times`);
 each row gives the median, its min-max and the ratio to the call without the gradients::
 
-    python asv_benchmarks/mod_parameters_cost.py --rounds 5
+    python asv_benchmarks/studies/mod_parameters_cost.py --rounds 5
 """
 
 from __future__ import annotations

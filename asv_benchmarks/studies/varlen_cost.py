@@ -1,4 +1,4 @@
-"""The packed variable-length layout against the same work padded to a batch (issue 27).
+"""The packed variable-length layout against the same work padded to a batch.
 
 NumPy, float32, 16 sequences of lengths between 64 and 2048 (drawn once, total 16384
 tokens), 8 heads of 64 features, self-attention, plain and causal. Three calls compute the
@@ -7,7 +7,7 @@ same sequences:
 * ``packed``: :func:`sdpa_array.scaled_dot_product_attention_varlen` on ``(16384, 8, 64)``;
 * ``padded, key_lengths``: :func:`sdpa_array.scaled_dot_product_attention` on the
   sequences padded to ``(16, 2048, 8, 64)`` (``layout="BLHE"``) with ``key_lengths``, the
-  issue's comparison (the padded queries are computed too);
+  comparison the target names (the padded queries are computed too);
 * ``padded, both lengths``: the same with ``query_lengths`` as well.
 
 Rounds interleave the calls (rotating which goes first); the table gives each median with
@@ -19,7 +19,7 @@ the padded queries attending every key of their sequence). With 16 sequences of 
 16384, ``sum(L**2) >= 16384**2 / 16``, so the work ratio is at most 2 without causal and 3
 with it, both reached only when every length is 1024::
 
-    python asv_benchmarks/varlen_cost.py --rounds 5
+    python asv_benchmarks/studies/varlen_cost.py --rounds 5
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Run on a machine with an NVIDIA GPU (torch with CUDA; CuPy optional)::
 
-    python asv_benchmarks/gpu_bench.py                      # every case, 5 rounds
-    python asv_benchmarks/gpu_bench.py --quick              # one shape, 3 rounds
-    python asv_benchmarks/gpu_bench.py --json out.json      # also write the figures
+    python asv_benchmarks/studies/gpu_bench.py                      # every case, 5 rounds
+    python asv_benchmarks/studies/gpu_bench.py --quick              # one shape, 3 rounds
+    python asv_benchmarks/studies/gpu_bench.py --json out.json      # also write the figures
 
 Each row times one call (forward, autograd backward or the VJP function) of one
 implementation on one library, interleaved with its peer, torch's
@@ -209,7 +209,7 @@ def _feature_cases(
     fl_f: float,
     fl_b: float,
 ) -> list[dict[str, Any]]:
-    """Issue 24's feature rows: the Triton kernel with one feature, forward and autograd
+    """The feature rows: the Triton kernel with one feature, forward and autograd
     backward, against torch's fused call without it (ratio target 0.6)."""
     import torch
 

@@ -1,13 +1,13 @@
 """A transformers model's forward pass through the adapter against transformers' ``sdpa``.
 
-Issue 26's target: a Llama-style model (2 layers, hidden 256, 8 heads, 1024 tokens, batch
+The target: a Llama-style model (2 layers, hidden 256, 8 heads, 1024 tokens, batch
 4, left-padded, float32, CPU) within 1.1x of transformers' own ``sdpa`` attention. The same
 model (same weights) is switched between ``array_attention`` (this library, through
 ``sdpa_array.integrations.transformers``) and ``sdpa`` every round; each round times one
 forward of each, in alternating order; the table gives the median over rounds, the
 min-max, and the ratio of the medians, plus each forward's peak traced memory growth::
 
-    python asv_benchmarks/transformers_bench.py --rounds 9
+    python asv_benchmarks/studies/transformers_bench.py --rounds 9
 """
 
 from __future__ import annotations

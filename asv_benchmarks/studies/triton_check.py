@@ -2,9 +2,9 @@
 
 Run from the repository root on a CUDA machine (PYTHONPATH=$PWD, array-api-compat installed):
 
-    python3 asv_benchmarks/triton_check.py            # correctness, CuPy, timing
-    python3 asv_benchmarks/triton_check.py --quick    # correctness and CuPy only
-    python3 asv_benchmarks/triton_check.py --timing-only
+    python3 asv_benchmarks/studies/triton_check.py            # correctness, CuPy, timing
+    python3 asv_benchmarks/studies/triton_check.py --quick    # correctness and CuPy only
+    python3 asv_benchmarks/studies/triton_check.py --timing-only
 
 1. Correctness at B x H x L x E = 2 x 4 x 1024 x 64, float16 and bfloat16, full and causal:
    the Triton kernels' out / dq / dk / dv and torch's SDPA (flash) against a float64

@@ -13,7 +13,7 @@ left-padded by 0, S/8, S/4 and S/2 tokens, causal, as
 
 Rounds alternate the two; the table gives medians, min-max and the ratio::
 
-    python asv_benchmarks/decode_route.py --rounds 15
+    python asv_benchmarks/studies/decode_route.py --rounds 15
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 28's CPU figures in one table, from one interleaved run, with the command.
+"""The CPU figures against torch in one table, from one interleaved run, with the command.
 
 NumPy and torch on the CPU, float32, ``--threads`` threads (default 2) everywhere: our NumPy
 block pool (:func:`sdpa_array.set_num_threads` and ``SDPA_ARRAY_NUM_THREADS``), NumPy's BLAS
@@ -32,7 +32,8 @@ every L to 256 (128 stays 128).
 4. and 5. VJP / torch's backward, 1x8x2048x64, without and with causal:
    :func:`sdpa_array.scaled_dot_product_attention_vjp` against torch's backward of its own
    kernel, its forward graph built untimed once (``make_backward_case`` of
-   ``benchmarks/backward.py``). The VJP recomputes the scores; torch's backward does not.
+   ``asv_benchmarks/benchmarks/backward.py``, the asv suite's). The VJP recomputes the
+   scores; torch's backward does not.
    Beside them, the backward's GEMM-bound limit: the five products of each tile of the
    VJP's plan (``plan_backward``: 128 query rows x all 2048 keys), ``s = q kᵀ``,
    ``dp = dO vᵀ`` (both as transposed products where our kernel computes them so:
@@ -48,10 +49,10 @@ every L to 256 (128 stays 128).
 
 torch's OpenMP workers spin for a while after each call and may slow the NumPy call after
 them; ``OMP_WAIT_POLICY=passive`` rules that out (the header says what was set). The
-accuracy figures are ``asv_benchmarks/accuracy_gaps.py``'s. Usage::
+accuracy figures are ``asv_benchmarks/studies/accuracy_gaps.py``'s. Usage::
 
-    python asv_benchmarks/cpu_gaps.py --rounds 7
-    python asv_benchmarks/cpu_gaps.py --quick --rounds 2   # a smoke test, seconds
+    python asv_benchmarks/studies/cpu_gaps.py --rounds 7
+    python asv_benchmarks/studies/cpu_gaps.py --quick --rounds 2   # a smoke test, seconds
 """
 
 from __future__ import annotations
@@ -62,11 +63,11 @@ import platform
 import statistics
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from benchmarks.backward import PEER, make_backward_case
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import sdpa_array
@@ -83,6 +84,14 @@ from sdpa_array._problem.options import Options
 from sdpa_array._problem.problem import validate
 from sdpa_array.lab.cli.bench import interleaved_times, make_inputs, torch_sdpa_peer, two_products
 from sdpa_array.testing.backends import get_backend
+
+# The asv suite's backward case (``asv_benchmarks/benchmarks/backward.py``): its package
+# ``benchmarks`` sits in this script's parent folder, whatever the working directory.
+SUITE = Path(__file__).resolve().parents[1]
+if str(SUITE) not in sys.path:
+    sys.path.insert(0, str(SUITE))
+
+from benchmarks.backward import PEER, make_backward_case  # noqa: E402
 
 Candidates = dict[str, Callable[[], Any]]
 
@@ -274,7 +283,7 @@ def header(args: argparse.Namespace, command: str) -> str:
     )
     return "\n".join(
         [
-            f"# Issue 28 CPU figures: `{command}`",
+            f"# CPU figures against torch: `{command}`",
             f"CPU: {_cpu_model()}, {os.cpu_count()} CPUs ({usable} usable), {platform.system()}",
             f"NumPy {np.__version__}, BLAS {built}; loaded: {running}",
             f"torch {torch.__version__} (MKL {torch.backends.mkl.is_available()}), "
@@ -282,7 +291,7 @@ def header(args: argparse.Namespace, command: str) -> str:
             f"{sdpa_array.get_num_threads()} block threads; OMP_WAIT_POLICY="
             f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}",
             f"float32, {args.rounds} interleaved rounds after one warm-up round"
-            + (" (--quick: small shapes, not the issue's figures)" if args.quick else ""),
+            + (" (--quick: small shapes, not the figures' shapes)" if args.quick else ""),
         ]
     )
 
@@ -312,7 +321,10 @@ def report(times: dict[str, list[float]], shapes: dict[str, str], calls: dict[st
         n = calls[name]
         shape = shapes[name] + (f", {n} calls per round" if n > 1 else "")
         print(f"| {name} | {shape} | {_ms(seconds, n)} |")
-    print("\nAccuracy rows: not measured here; `python asv_benchmarks/accuracy_gaps.py --seeds 3`.")
+    print(
+        "\nAccuracy rows: not measured here; "
+        "`python asv_benchmarks/studies/accuracy_gaps.py --seeds 3`."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.calls = args.calls or (5 if args.quick else 50)
     command = " ".join(
-        ["python asv_benchmarks/cpu_gaps.py", *(sys.argv[1:] if argv is None else argv)]
+        ["python asv_benchmarks/studies/cpu_gaps.py", *(sys.argv[1:] if argv is None else argv)]
     )
     os.environ[ENV_VAR] = str(args.threads)
     sdpa_array.set_num_threads(args.threads)

@@ -1,11 +1,11 @@
-"""What ``implementation="auto"`` costs on top of torch's own kernel when it delegates (issue 28).
+"""What ``implementation="auto"`` costs on top of torch's own kernel when it delegates.
 
 torch CPU, float32, self-attention at three sizes: ``sdpa_array.scaled_dot_product_attention``
 (which validates, plans and hands the call to ``torch.nn.functional.scaled_dot_product_attention``)
 and torch's function called directly, interleaved call by call; the table gives each median
 with its min-max, the difference (our validation and planning per call) and torch / ours::
 
-    python asv_benchmarks/dispatch_overhead.py --calls 200
+    python asv_benchmarks/studies/dispatch_overhead.py --calls 200
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ size of the attended cache, counted as bytes read plus bytes written, as NVIDIA'
 ``bandwidthTest`` counts it. Each row gives the decode's effective bandwidth (the attended
 keys' and values' bytes over its time) as a fraction of that copy's::
 
-    python asv_benchmarks/gpu_decode_bench.py                 # B=1, Hq=32, Hkv=8, 32768 tokens
-    python asv_benchmarks/gpu_decode_bench.py --batch 4 --cache 8192 --json out.json
+    python asv_benchmarks/studies/gpu_decode_bench.py   # B=1, Hq=32, Hkv=8, 32768 tokens
+    python asv_benchmarks/studies/gpu_decode_bench.py --batch 4 --cache 8192 --json out.json
 
 A row ``decode torch graph`` replays the torch call captured in a CUDA graph (lengths as a
 device tensor), the device's time without the host's per-call Python overhead.

@@ -2,8 +2,8 @@
 
 Usage::
 
-    python asv_benchmarks/bench_dask_cluster.py                  # L=S=131072, chunks of 8192
-    python asv_benchmarks/bench_dask_cluster.py --length 32768   # a shorter try
+    python asv_benchmarks/studies/bench_dask_cluster.py                 # L=S=131072, chunks 8192
+    python asv_benchmarks/studies/bench_dask_cluster.py --length 32768  # a shorter try
 
 B=1, H=1, E=64, float32, ``is_causal=True``. The inputs are made on the host with one seed,
 then:

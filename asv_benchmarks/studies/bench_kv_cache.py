@@ -2,8 +2,8 @@
 
 Usage::
 
-    python asv_benchmarks/bench_kv_cache.py            # B=4, Hq=32, Hkv=8, L=1, 32768, E=128
-    python asv_benchmarks/bench_kv_cache.py --cache 4096 --rounds 3   # seconds, for a try
+    python asv_benchmarks/studies/bench_kv_cache.py  # B=4, Hq=32, Hkv=8, L=1, 32768, E=128
+    python asv_benchmarks/studies/bench_kv_cache.py --cache 4096 --rounds 3  # seconds, a try
 
 One decoding step: ``attention_with_kv_cache`` writes one new token per sequence into a
 paged float32 cache (pages of 256 tokens, in a random order in the pool) and attends to

@@ -1,9 +1,9 @@
-"""How much faster a causal call is than the same call without causal (issue 11, item 3).
+"""How much faster a causal call is than the same call without causal.
 
 Usage::
 
-    python asv_benchmarks/causal_balance.py --repeat 7                # L=S=4096
-    python asv_benchmarks/causal_balance.py --repeat 3 --length 1024  # a smoke test
+    python asv_benchmarks/studies/causal_balance.py --repeat 7                # L=S=4096
+    python asv_benchmarks/studies/causal_balance.py --repeat 3 --length 1024  # a smoke test
 
 NumPy, float32, B=1, H=8, L=S=``--length``, E=64, ``implementation="auto"`` (the blocked
 kernel on its thread pool). The non-causal and causal calls run in the same process, one

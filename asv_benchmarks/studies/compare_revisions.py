@@ -3,7 +3,7 @@
 Usage::
 
     git worktree add /tmp/old <revision>
-    python asv_benchmarks/compare_revisions.py /tmp/old . --rounds 5
+    python asv_benchmarks/studies/compare_revisions.py /tmp/old . --rounds 5
 
 Each round runs one process per tree (alternating), each timing the forward and the VJP
 (plain and causal) at B=1, H=8, L=S=2048, E=64, float32 as the median of a few calls after a

@@ -1,4 +1,4 @@
-"""What a ``score_mod`` costs against the built-in term that computes the same scores (issue 27).
+"""What a ``score_mod`` costs against the built-in term that computes the same scores.
 
 ``score_mod=mods.tanh_softcap(c)`` gives the scores of ``softcap=c`` through the generic
 score-function path (the function called on each tile through the checks of
@@ -11,7 +11,7 @@ the same function with its derivative. Rounds interleave the cases
 (:func:`sdpa_array.lab.cli.bench.interleaved_times`); each row gives the median, its
 min-max and the ratio to the group's peer::
 
-    python asv_benchmarks/score_mod_cost.py --rounds 7
+    python asv_benchmarks/studies/score_mod_cost.py --rounds 7
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""What sinks and dropout cost on the blocked NumPy path (issue 14's targets).
+"""What sinks and dropout cost on the blocked NumPy path, against their targets.
 
 Usage::
 
-    python asv_benchmarks/sinks_dropout_cost.py --repeat 7
-    python asv_benchmarks/sinks_dropout_cost.py --repeat 5 --vjp --threads 1
+    python asv_benchmarks/studies/sinks_dropout_cost.py --repeat 7
+    python asv_benchmarks/studies/sinks_dropout_cost.py --repeat 5 --vjp --threads 1
 
 Times ``implementation="blocked"`` at float32, B=1, H=8, L=S=4096, E=64 without extras,
 with ``dropout_p=0.1`` and with one sink per head: one warm-up round, then the three cases

@@ -1,11 +1,11 @@
-"""What ``layout="BLHE"`` costs against the default layout on the same data (issue 26).
+"""What ``layout="BLHE"`` costs against the default layout on the same data.
 
 NumPy, float32, B=1, H=8, L=S=2048, E=64 (and the caller's ``--length``): the same values
 held as (B, H, L, E) and as (B, L, H, E), each called in its own layout, forward and VJP,
 ``materialized`` and ``blocked``; rounds interleave the two layouts (alternating which goes
 first); the table gives each median with its min-max and the ratio BLHE / BHLE::
 
-    python asv_benchmarks/layout_cost.py --rounds 7
+    python asv_benchmarks/studies/layout_cost.py --rounds 7
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the scores in chunks cost the calls whose scores may be large (issue 28).
+"""What the scores in chunks cost the calls whose scores may be large.
 
 NumPy, float32, B=1, H=8, E=64: the blocked forward at L=S=4096 (plain and causal) and the
 blocked VJP at L=S=2048, with ``q`` and ``k`` times 31.6 (logits ~1e3, where the kernels cut
@@ -8,7 +8,7 @@ forward at unit logits with a bias (the score bound is read, one product is kept
 interleave the two (alternating which goes first); the table gives each median with its
 min-max and the median of the per-round ratios chunks / one::
 
-    python asv_benchmarks/score_chunks_cost.py --rounds 9
+    python asv_benchmarks/studies/score_chunks_cost.py --rounds 9
 """
 
 from __future__ import annotations

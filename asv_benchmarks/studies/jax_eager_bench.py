@@ -1,16 +1,16 @@
 """Eager JAX calls against the same call under ``jax.jit``, and against running op by op.
 
-The library compiles an eager JAX call whole (``sdpa_array._api.jax_eager``); issue 29's
+The library compiles an eager JAX call whole (``sdpa_array._api.jax_eager``); the
 target is an eager call within 2x of the jitted one. For each shape and implementation the
 script times, interleaved over ``--rounds`` rounds (median, min-max): the eager call, the
 same call under the caller's own ``jax.jit``, and the eager call with
 ``SDPA_ARRAY_JAX_EAGER_JIT=0`` (operation by operation, as before). The first eager call's
 time (tracing and compiling) is printed too::
 
-    python asv_benchmarks/jax_eager_bench.py
-    python asv_benchmarks/jax_eager_bench.py --shapes 1x8x2048x64 --dtype bfloat16
+    python asv_benchmarks/studies/jax_eager_bench.py
+    python asv_benchmarks/studies/jax_eager_bench.py --shapes 1x8x2048x64 --dtype bfloat16
 
-Run on a GPU to measure issue 29's figures (``JAX_PLATFORMS=cuda``).
+On a GPU, run it with ``JAX_PLATFORMS=cuda``.
 """
 
 from __future__ import annotations

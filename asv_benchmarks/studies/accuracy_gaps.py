@@ -1,4 +1,4 @@
-"""float32 error of our NumPy kernels against torch's CPU kernels, case by case (issue 28).
+"""float32 error of our NumPy kernels against torch's CPU kernels, case by case.
 
 For each case (shape ``(B, H, L, S, E)``; plain, ``is_causal``, a boolean mask or an
 additive float bias; unit logits or large logits, q and k scaled by 31.6 so that the logits
@@ -25,8 +25,8 @@ the large-logit cases pool ``--large-seeds`` (12) draws. The ratio to the better
 kernels is biased upwards too: the last lines give the same worst ratios for torch's own
 default kernel. About 20 minutes on one thread::
 
-    python asv_benchmarks/accuracy_gaps.py --seeds 3
-    python asv_benchmarks/accuracy_gaps.py --quick   # L <= 256, one seed
+    python asv_benchmarks/studies/accuracy_gaps.py --seeds 3
+    python asv_benchmarks/studies/accuracy_gaps.py --quick   # L <= 256, one seed
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Usage::
 
-    python asv_benchmarks/auto_crossover.py --libraries numpy,torch,strict,jax,dask --repeat 5
-    python asv_benchmarks/auto_crossover.py --libraries dask --lengths 256,512 --vjp
+    python asv_benchmarks/studies/auto_crossover.py --repeat 5   # every CPU library
+    python asv_benchmarks/studies/auto_crossover.py --libraries dask --lengths 256,512 --vjp
 
 For each library (a backend id of :mod:`sdpa_array.testing.backends`) and each
 ``L = S`` it times ``implementation="materialized"`` against ``implementation="blocked"``

@@ -1,4 +1,4 @@
-"""What ``return_max_scores=True`` costs against the same call without it (issue 27).
+"""What ``return_max_scores=True`` costs against the same call without it.
 
 NumPy, float32, B=1, H=8, L=S=4096, E=64 by default (``--length`` changes L=S), the
 blocked implementation: the same call with and without the maximum scores, plain and with
@@ -6,7 +6,7 @@ a bias (where the scaled products are kept beside the scores); rounds interleave
 (alternating which goes first); the table gives each median with its min-max and the ratio
 with / without (target: at most 1.05 for the plain call)::
 
-    python asv_benchmarks/max_scores_cost.py --rounds 7
+    python asv_benchmarks/studies/max_scores_cost.py --rounds 7
 """
 
 from __future__ import annotations
