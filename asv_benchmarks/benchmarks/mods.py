@@ -16,8 +16,7 @@ the issue's 4096), the default implementation (blocked at these sizes):
 ``track_peak_traced_memory`` is the peak of the allocations :mod:`tracemalloc` sees (NumPy's
 buffers) during one call, in MiB: the call's own working memory, without the inputs and the
 dense mask or bias made in ``setup`` (which asv's ``peakmem_*``, the process's peak RSS,
-includes). The issue's memory targets compare it with ``L*S`` bytes (one bool ``(L, S)``).
-``asv_benchmarks/mods_cost.py`` prints all of it as a table without asv.
+includes). The memory targets compare it with ``L*S`` bytes (one bool ``(L, S)``).
 """
 
 from __future__ import annotations
