@@ -25,6 +25,7 @@ from . import mods
 from ._api.explain import Explanation, explain
 from ._api.forward import scaled_dot_product_attention
 from ._api.kv_cache import attention_with_kv_cache
+from ._api.memory import release_memory
 from ._api.multi_head import multi_head_attention
 from ._api.varlen import (
     scaled_dot_product_attention_varlen,
@@ -51,6 +52,7 @@ __all__ = [
     "mods",
     "multi_head_attention",
     "nn",
+    "release_memory",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_varlen",
     "scaled_dot_product_attention_varlen_vjp",

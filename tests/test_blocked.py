@@ -456,7 +456,8 @@ def test_pool_takes_the_costliest_items_first(monkeypatch):
 
     xp = array_namespace({"x": np.zeros(1)})
     monkeypatch.setattr(parallel, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(parallel, "ThreadPoolExecutor", _OneWorker)
+    monkeypatch.setattr(parallel, "_executor", _OneWorker())
+    monkeypatch.setattr(parallel, "_executor_threads", 2)
     got = parallel.map_blocks(xp, fn, [0, 1, 2, 3], costs=[1.0, 5.0, 3.0, 5.0])
     assert got == [0, 10, 20, 30]
     assert started == [1, 3, 2, 0]

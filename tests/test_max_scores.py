@@ -236,3 +236,17 @@ def test_bad_flags_name_the_argument():
         sdpa_array.scaled_dot_product_attention(q, k, k, return_max_scores="yes")
     with pytest.raises(TypeError, match="return_max_scores"):
         sdpa_array.attention_with_kv_cache(q, k, k, cache_lengths=[7, 7], return_max_scores=1)
+
+
+@pytest.mark.parametrize("options", [{}, {"is_causal": True}, {"window": (40, 0)}], ids=str)
+def test_blocked_numpy_keeps_the_fixed_reference_with_the_maximum_scores(options):
+    """On NumPy, the blocked call with the maximum scores takes the same softmax as the call
+    without (the fixed reference): the same output bit for bit, and the maximum scores
+    within the oracle's bounds (whole, row-cut and narrower tiles, several threads)."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 3, 200, 64)).astype(np.float32) for _ in range(3))
+    run = dict(implementation="blocked", block_q=64, block_k=48, **options)
+    plain = sdpa_array.scaled_dot_product_attention(q, k, v, **run)
+    out, best = sdpa_array.scaled_dot_product_attention(q, k, v, return_max_scores=True, **run)
+    np.testing.assert_array_equal(out, plain)
+    assert_close_to_oracle((out, best), q, k, v, return_max_scores=True, **options)

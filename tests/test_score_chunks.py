@@ -136,8 +136,8 @@ def test_smaller_error_than_one_chain_on_openblas():
 
 
 def test_the_scratch_buffer_is_never_returned():
-    """The chunks after the first go through the thread's scratch buffer: a later product
-    of the same shape leaves an earlier result as it was."""
+    """The chunks after the first go through a kept scratch buffer: a later product of the
+    same shape leaves an earlier result as it was."""
     rng = np.random.default_rng(2)
     a, b, c = (rng.standard_normal((64, 64)).astype(np.float32) for _ in range(3))
     xp = array_namespace({"a": a})
@@ -146,8 +146,10 @@ def test_the_scratch_buffer_is_never_returned():
     second = products.scores(xp, c, b, transposed=True, chunks=2)
     np.testing.assert_array_equal(first, kept)
     for result in (first, second):
-        for kept in products._THREAD.scratch.values():
-            assert not np.shares_memory(result, kept)
+        for buffers in products._kept.values():
+            for kept in buffers:
+                assert not np.shares_memory(result, kept)
+    assert products._kept[np.dtype(np.float32)]  # the buffer was kept
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -29,8 +29,10 @@ small calls the bound's reading would slow, where a row's largest scaled product
 computes the scores again in chunks, :mod:`sdpa_array._kernels.materialized`), and the
 materialized VJP from the bound where its calls are not small
 (:data:`~sdpa_array._kernels.vjp_materialized.MIN_BOUND_PAIRS`). The chunks after
-the first are computed into a buffer each thread keeps (at most :data:`BATCHED_BYTES`), so
-that they take no fresh memory, whose page faults cost more than the product here.
+the first are computed into a scratch buffer (at most :data:`BATCHED_BYTES`), so that they
+take no fresh memory, whose page faults cost more than the product here: a product takes one
+from a shared set and gives it back when done, which keeps at most :data:`KEPT_SCRATCH` of
+them per dtype (however many threads call), and :func:`release_scratch` empties.
 """
 
 from __future__ import annotations
@@ -49,11 +51,13 @@ __all__ = [
     "BATCHED_BYTES",
     "BATCHED_CHUNKS",
     "CHUNK",
+    "KEPT_SCRATCH",
     "SCORE_CHUNK",
     "SHORT_CHUNK",
     "SPLIT_LIBRARIES",
     "TRANSPOSE_LIBRARIES",
     "matmul",
+    "release_scratch",
     "score_chunks",
     "scores",
     "transposes",
@@ -149,37 +153,69 @@ def _chunked_scores(xp: ModuleType, a: Array, b: Array, count: int) -> Array:
 
 def _sum_of_chunks(xp: ModuleType, a: Array, b: Array, size: int, *, scratch: bool) -> Array:
     """``a @ b`` as the products of the contraction's chunks of ``size``, added in order into
-    the first chunk's product. ``scratch``: on NumPy the other chunks' products go to the
-    calling thread's scratch buffer (:func:`_scratch`), which is never returned: no fresh
-    memory per chunk."""
+    the first chunk's product. ``scratch``: on NumPy the other chunks' products go to a
+    scratch buffer (:func:`_take_scratch`), which is never returned: no fresh memory per
+    chunk."""
     k = int(a.shape[-1])
     out = xp.matmul(a[..., :size], b[..., :size, :])
-    buffer = _scratch(out) if scratch and namespace_name(xp) == "numpy" else None
-    for start in range(size, k, size):
-        pair = a[..., start : start + size], b[..., start : start + size, :]
-        if buffer is None:
-            out = inplace.add(out, xp.matmul(*pair))
-        else:
-            np.add(out, np.matmul(*pair, out=buffer), out=out)
+    buffer = _take_scratch(out) if scratch and namespace_name(xp) == "numpy" else None
+    try:
+        for start in range(size, k, size):
+            pair = a[..., start : start + size], b[..., start : start + size, :]
+            if buffer is None:
+                out = inplace.add(out, xp.matmul(*pair))
+            else:
+                np.add(out, np.matmul(*pair, out=_shaped(buffer, out)), out=out)
+    finally:
+        if buffer is not None:
+            _give_scratch(buffer)
     return out
 
 
-_THREAD = threading.local()
+#: Most scratch buffers kept per dtype between products (each at most
+#: :data:`BATCHED_BYTES`): as many as the NumPy pool's default threads.
+KEPT_SCRATCH = 4
+
+#: The scratch buffers no product holds now, by dtype (flat, each at most
+#: :data:`BATCHED_BYTES`), and the lock that guards them.
+_kept: dict[np.dtype, list[np.ndarray]] = {}
+_kept_lock = threading.Lock()
 
 
-def _scratch(like: np.ndarray) -> np.ndarray | None:
-    """The calling thread's buffer shaped as ``like`` (a score tile's product), one per
-    dtype, kept between calls and grown as needed; ``None`` beyond :data:`BATCHED_BYTES`
-    (such a product gets fresh memory)."""
+def _take_scratch(like: np.ndarray) -> np.ndarray | None:
+    """A flat scratch buffer with room for ``like`` (a score tile's product) of its dtype,
+    the product's own until :func:`_give_scratch`: a kept one if one is large enough, else a
+    new one; ``None`` beyond :data:`BATCHED_BYTES` (such a product gets fresh memory)."""
     if like.nbytes > BATCHED_BYTES:
         return None
-    buffers = getattr(_THREAD, "scratch", None)
-    if buffers is None:
-        buffers = _THREAD.scratch = {}
-    kept = buffers.get(like.dtype)
-    if kept is None or kept.size < like.size:
-        kept = buffers[like.dtype] = np.empty(like.size, dtype=like.dtype)
-    return np.reshape(kept[: like.size], like.shape)
+    with _kept_lock:
+        free = _kept.get(like.dtype, [])
+        for i, kept in enumerate(free):
+            if kept.size >= like.size:
+                return free.pop(i)
+    return np.empty(like.size, dtype=like.dtype)
+
+
+def _give_scratch(buffer: np.ndarray) -> None:
+    """Keep ``buffer`` for later products, unless :data:`KEPT_SCRATCH` of its dtype are
+    kept already: the smallest of them and it is dropped."""
+    with _kept_lock:
+        free = _kept.setdefault(buffer.dtype, [])
+        free.append(buffer)
+        if len(free) > KEPT_SCRATCH:
+            del free[min(range(len(free)), key=lambda i: free[i].size)]
+
+
+def _shaped(buffer: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """The start of the flat ``buffer`` as an array of ``like``'s shape."""
+    return np.reshape(buffer[: like.size], like.shape)
+
+
+def release_scratch() -> None:
+    """Drop the kept scratch buffers (one that a product holds now is kept again when the
+    product gives it back)."""
+    with _kept_lock:
+        _kept.clear()
 
 
 def _batched(a: Array, b: Array, count: int, size: int) -> Array:

@@ -29,7 +29,13 @@ from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .layout import broadcast_if_needed, concat, ungroup
 from .materialized import materialized_attention
-from .operands import Operands, fixed_weights, prepare, tile_scores_and_maxima
+from .operands import (
+    Operands,
+    fixed_scores_and_scaled,
+    fixed_weights,
+    prepare,
+    tile_scores_and_maxima,
+)
 from .result import AttentionResult
 from .score_bound import chunks_from_bound, fixed_reference
 from .softmax import exp_shift, log_sum_exp, row_sum, safe_reciprocal
@@ -93,22 +99,31 @@ def _online_tiles(
 
 
 def _fixed_reference_tiles(
-    p: Problem, ops: Operands, q: Array, block: QueryBlock
-) -> tuple[Array, Array, Array]:
+    p: Problem, ops: Operands, q: Array, block: QueryBlock, maxima: bool
+) -> tuple[Array, Array, Array, Array]:
     """The softmax over the block's tiles with a reference of 0 for every row
-    (:func:`~.score_bound.fixed_reference` holds): no maxima, no rescaling. A tile cut to
-    some of the block's rows (:attr:`~.tiling.KeyTile.rows`) adds to those rows only.
-    Returns the reference, ``Σ exp(score)`` and ``Σ exp(score) v``."""
+    (:func:`~.score_bound.fixed_reference` holds): no running maxima, no rescaling. A tile
+    cut to some of the block's rows (:attr:`~.tiling.KeyTile.rows`) adds to those rows only.
+    Returns the reference, ``Σ exp(score)``, ``Σ exp(score) v`` and, with ``maxima``, the
+    rows' largest scaled products (else ``None``, :class:`_Maxima`)."""
     xp = p.xp
     n = block.stop - block.start
     total: Array = None
     acc: Array = None
+    best = _Maxima(p, n, ops.terms.unit) if maxima else None
     for tile in block.tiles:
         cols = slice(tile.start, tile.stop)
         r0, r1 = tile.rows or (block.start, block.stop)
         rows = slice(r0, r1)
         q_rows = q[..., r0 - block.start : r1 - block.start, :]
-        e = fixed_weights(p, ops, q_rows, rows, cols, full=tile.full)
+        a, b = r0 - block.start, r1 - block.start
+        if best is None:
+            e = fixed_weights(p, ops, q_rows, rows, cols, full=tile.full)
+        else:
+            s, scaled = fixed_scores_and_scaled(p, ops, q_rows, rows, cols)
+            best.add(a, b, scaled)
+            e = ops.terms.exp(xp, s)
+            del s, scaled
         tile_total, tile_out = _tile_sums(p, ops, e, rows, cols)
         del e
         if acc is None and tile.rows is not None:  # rows no tile reaches keep zeros
@@ -118,14 +133,58 @@ def _fixed_reference_tiles(
         if acc is None:
             total, acc = tile_total, tile_out
         else:
-            a, b = r0 - block.start, r1 - block.start
             total = inplace.add_rows(xp, total, a, b, tile_total)
             acc = inplace.add_rows(xp, acc, a, b, tile_out)
     sink = ops.terms.sink_total(xp, 0.0)
     if sink is not None:
         total = total + sink
     ref = xp.zeros(tuple(total.shape), dtype=p.compute_dtype, device=p.device)
-    return ref, total, acc
+    return ref, total, acc, None if best is None else best.rows()
+
+
+class _Maxima:
+    """The rows' largest scaled products over a query block's tiles, for the fixed
+    reference. A row reduction of each tile costs as much as the tile's exponentials on
+    NumPy (its rows are short), so where the library writes through views
+    (:func:`~sdpa_array._arrays.inplace.raise_to`) the tiles are first kept as one
+    elementwise maximum of the block's width (tiles at its left edge), reduced once at the
+    end; other tiles (and other libraries) each give their rows' maxima. The tiles' scaled
+    products come in the scores' ``unit`` (``log2(e)`` in base 2), divided out at the end."""
+
+    def __init__(self, p: Problem, n: int, unit: float) -> None:
+        self.p, self.n, self.unit = p, n, unit
+        self.wide: Array = None  # (..., n, widest tile): elementwise maxima of the tiles
+        self.best: Array = None  # (..., n, 1): the rows' maxima of the other tiles
+
+    def add(self, a: int, b: int, scaled: Array) -> None:
+        """Take in the scaled products of a tile of the block's rows ``[a, b)``."""
+        xp, p = self.p.xp, self.p
+        lead, width = tuple(scaled.shape[:-2]), int(scaled.shape[-1])
+        if self.wide is None and a == 0 and b == self.n:
+            self.wide = xp.asarray(scaled, copy=True)
+            return
+        if (
+            self.wide is not None
+            and tuple(self.wide.shape[:-2]) == lead
+            and width <= int(self.wide.shape[-1])
+            and inplace.raise_to(self.wide[..., a:b, :width], scaled)
+        ):
+            return
+        tile_best = xp.max(scaled, axis=-1, keepdims=True)
+        if self.best is None:
+            shape = (*lead, self.n, 1)
+            self.best = xp.full(shape, -math.inf, dtype=p.compute_dtype, device=p.device)
+        larger = xp.maximum(self.best[..., a:b, :], tile_best)
+        self.best = xp.concat([self.best[..., :a, :], larger, self.best[..., b:, :]], axis=-2)
+
+    def rows(self) -> Array:
+        """The rows' maxima ``(..., n, 1)``, ``-inf`` where no tile reached a row."""
+        xp = self.p.xp
+        best = self.best
+        if self.wide is not None:
+            wide = xp.max(self.wide, axis=-1, keepdims=True)
+            best = wide if best is None else xp.maximum(best, wide)
+        return best if self.unit == 1.0 else best / self.unit
 
 
 def _query_block(
@@ -156,7 +215,7 @@ def _query_block(
     q = ops.q[..., block.start : block.stop, :]
     best = None
     if fixed:
-        ref, total, acc = _fixed_reference_tiles(p, ops, q, block)
+        ref, total, acc, best = _fixed_reference_tiles(p, ops, q, block, maxima)
     else:
         ref, total, acc, best = _online_tiles(p, ops, q, block, maxima)
     inv = safe_reciprocal(p, total)
@@ -200,8 +259,10 @@ def blocked_attention(
     )
     maxima = outputs.max_scores
     ops, bound = chunks_from_bound(p, ops)  # products cut where the scores may be large
-    fixed = not maxima and not plans_for_gpu(p) and fixed_reference(p, ops, bound)
-    if fixed and inplace.has_exp2(xp):  # exp2 of the scores times log2(e): faster than exp
+    fixed = not plans_for_gpu(p) and fixed_reference(p, ops, bound)
+    # exp2 of the scores times log2(e): faster than exp; the maximum scores are then those
+    # scores' maxima over log2(e), except where the scores are not the scaled products
+    if fixed and inplace.has_exp2(xp) and not (maxima and ops.terms.changes_scores):
         ops = ops.in_base2(in_place=True)  # the operands before are not used again
     slices = {index: ops.at(index) for index in outer}
     # with the fixed reference a tile may cover some of its block's rows (cut_rows)

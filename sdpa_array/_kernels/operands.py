@@ -46,6 +46,7 @@ __all__ = [
     "KEPT_MASK_PAIRS",
     "Operands",
     "backward_tile_scores",
+    "fixed_scores_and_scaled",
     "fixed_weights",
     "kernel_scale",
     "prepare",
@@ -270,6 +271,20 @@ def fixed_weights(
     return e if full else _excluded(p, ops, rows, cols, (e,), 0.0)[0]
 
 
+def fixed_scores_and_scaled(
+    p: Problem, ops: Operands, q_rows: Array, rows: slice, cols: slice
+) -> tuple[Array, Array]:
+    """The tile's final scores as :func:`fixed_weights` takes their exponentials, and its
+    scaled products ``scale · q·k`` (times the scores' :attr:`ScoreTerms.unit`), whose row
+    maxima are those of :func:`tile_scores_and_maxima`; both ``-inf`` where excluded. They
+    are one array where no term beyond the scale changes the scores
+    (:attr:`ScoreTerms.changes_scores`; otherwise ``ops`` must not be in base 2,
+    :meth:`Operands.in_base2`): read the scaled products before the scores' exponentials
+    are written into them."""
+    s, scaled, _ = _masked_scores(p, ops, q_rows, rows, cols)
+    return s, s if scaled is None else scaled
+
+
 def _excluded(
     p: Problem,
     ops: Operands,
@@ -325,6 +340,29 @@ def _tile(
 ) -> tuple[Array, Any, Array, ModInput | None]:
     """The tile's final scores, their factor, row maxima and score-function input;
     ``transposed``: the product is a transposed view (:func:`~.products.scores`)."""
+    s, scaled, (factor, kept) = _masked_scores(
+        p, ops, q_rows, rows, cols, need_factor=need_factor, maxima=maxima, transposed=transposed
+    )
+    row_maxima = None
+    if maxima:
+        row_maxima = p.xp.max(s if scaled is None else scaled, axis=-1, keepdims=True)
+    return s, factor, row_maxima, kept
+
+
+def _masked_scores(
+    p: Problem,
+    ops: Operands,
+    q_rows: Array,
+    rows: slice,
+    cols: slice,
+    *,
+    need_factor: bool = False,
+    maxima: bool = True,
+    transposed: bool = False,
+) -> tuple[Array, Array | None, tuple[Any, ModInput | None]]:
+    """The tile's final scores, ``-inf`` where excluded; with ``maxima`` where a term beyond
+    the scale changes the scores, the scaled products masked alike (else ``None``); the
+    scores' factor and score-function input (:meth:`ScoreTerms.apply`)."""
     xp = p.xp
     raw = products.scores(
         xp, q_rows, ops.k[..., cols, :], transposed=transposed, chunks=ops.score_chunks
@@ -335,7 +373,4 @@ def _tile(
         (s,) = _excluded(p, ops, rows, cols, (s,), -math.inf, transposed=transposed)
     else:
         s, scaled = _excluded(p, ops, rows, cols, (s, scaled), -math.inf, transposed=transposed)
-    row_maxima = None
-    if maxima:
-        row_maxima = xp.max(s if scaled is None else scaled, axis=-1, keepdims=True)
-    return s, factor, row_maxima, kept
+    return s, scaled, (factor, kept)

@@ -37,6 +37,7 @@ __all__ = [
     "batch_slices",
     "block_scores",
     "choose_block_sizes",
+    "clear_band_plans",
     "gpu_plans",
     "plan_backward",
     "plan_blocks",
@@ -303,6 +304,11 @@ def _band_plan(
     r: Restrictions, block_q: int, block_k: int, cut_rows: bool
 ) -> tuple[QueryBlock, ...]:
     return tuple(_plan(r, block_q, block_k, cut_rows))
+
+
+def clear_band_plans() -> None:
+    """Forget the kept plans of position bands (:func:`plan_blocks`'s Notes)."""
+    _band_plan.cache_clear()
 
 
 def _plan(r: Restrictions, block_q: int, block_k: int, cut_rows: bool) -> list[QueryBlock]:
