@@ -11,12 +11,16 @@
   (block sizes, a backward kernel for the VJP).
 * ``objects.inv`` and cross-references know the public names only: a class that the package
   re-exports from a private module (``sdpa_array.CannotDelegateError``, defined in
-  ``sdpa_array._kernels.native``) is not also registered under its private path, which
+  ``sdpa_array._errors``) is not also registered under its private path, which
   autodoc adds as its "canonical" name.
 * autosummary tables keep ordinary spaces in their signatures, ``name(query, key, ...)``:
   autosummary's HTML writer makes them non-breaking, which kept the first column on one line
   and pushed the summaries out of the page's column (``docs/_static/sdpa.css`` lays the
   tables out).
+* ``generated/history/ratios.png`` and ``generated/snippets/history_machines.md``: the
+  performance history drawn from the committed asv results (:mod:`performance_history`);
+  the HTML pages ``asv publish`` made (``asv_benchmarks/html``, where present) are copied
+  to ``asv/`` in the built site.
 * ``implementations``: the line ``% performance.md`` is replaced by an include of
   ``docs/performance.md`` when that file exists, and by a sentence saying it is missing when
   it does not.
@@ -25,6 +29,7 @@
 from __future__ import annotations
 
 import inspect
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,9 @@ from sphinx.environment import BuildEnvironment
 from sphinx.ext.autosummary import autosummary_noop, autosummary_table
 
 PERFORMANCE_MARKER = "% performance.md"
+
+#: The repository's asv folder: the committed results and the published pages.
+ASV = Path(__file__).resolve().parents[2] / "asv_benchmarks"
 
 
 def backend_table() -> str:
@@ -91,6 +99,16 @@ def _write_snippets(app: Sphinx) -> None:
         path = out / name
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             path.write_text(text, encoding="utf-8")
+    import performance_history
+
+    performance_history.write(ASV / "results", Path(app.srcdir) / "generated")
+
+
+def _copy_asv_pages(app: Sphinx, exception: Exception | None) -> None:
+    """The pages of ``asv publish``, where they were made, under ``asv/`` in the site."""
+    pages = ASV / "html"
+    if exception is None and app.builder.format == "html" and (pages / "index.html").exists():
+        shutil.copytree(pages, Path(app.outdir) / "asv", dirs_exist_ok=True)
 
 
 def _include_performance(app: Sphinx, docname: str, source: list[str]) -> None:
@@ -123,6 +141,7 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.connect("builder-inited", _write_snippets)
     app.connect("source-read", _include_performance)
     app.connect("env-updated", _drop_private_aliases)
+    app.connect("build-finished", _copy_asv_pages)
     app.add_node(
         autosummary_table, override=True, html=(_visit_autosummary_table, autosummary_noop)
     )
