@@ -173,6 +173,62 @@ def test_large_logits_do_not_overflow(backend_dtype, implementation):
     assert np.isfinite(reference.to_numpy(out)).all()
 
 
+#: Calls in which some rows admit exactly one key: ``(id, (L, S), options, {row: key})``.
+ONE_KEY_CASES = [
+    ("L=S=1", (1, 1), {}, {0: 0}),
+    ("S=1", (5, 1), {}, dict.fromkeys(range(5), 0)),
+    ("causal-first-row", (9, 9), {"is_causal": True}, {0: 0}),
+    ("window-0", (9, 9), {"window": (0, 0)}, {i: i for i in range(9)}),
+    (
+        "window-0-bottom-right",
+        (6, 9),
+        {"window": (0, 0), "alignment": "bottom_right"},
+        {i: i + 3 for i in range(6)},
+    ),
+]
+
+#: The one-key cases that every native kernel computes (no window, top-left).
+NATIVE_ONE_KEY_CASES = [c for c in ONE_KEY_CASES if "window" not in c[2]]
+
+
+def _check_one_key_rows(backend, dtype, implementation, case, magnitude, **call):
+    """Each row admitting one key returns that key's value bit for bit."""
+    _, (L, S), options, rows = case
+    rng = np.random.default_rng(7)
+    q, k = (
+        backend.asarray(randn(rng, 2, 3, L, 8), dtype),
+        backend.asarray(randn(rng, 2, 3, S, 8), dtype),
+    )
+    v = backend.asarray(randn(rng, 2, 3, S, 8) * magnitude, dtype)
+    out = sdpa_array.scaled_dot_product_attention(
+        q, k, v, implementation=implementation, **options, **call
+    )
+    out, v = reference.to_numpy(out), reference.to_numpy(v)
+    for row, key in rows.items():
+        np.testing.assert_array_equal(out[..., row, :], v[..., key, :], err_msg=f"row {row}")
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("case", ONE_KEY_CASES, ids=[c[0] for c in ONE_KEY_CASES])
+@pytest.mark.parametrize(
+    ("implementation", "call"),
+    [(i, {}) for i in IMPLEMENTATIONS] + [("blocked", {"block_q": 3, "block_k": 4})],
+    ids=[*IMPLEMENTATIONS, "blocked-3x4"],
+)
+def test_one_admissible_key_gives_its_value_exactly(
+    backend_dtype, implementation, call, case, magnitude
+):
+    """A row whose softmax has one admissible key weighs it by exactly 1, on every path
+    (the blocked kernel's fixed reference too: such rows take a running maximum)."""
+    _check_one_key_rows(*backend_dtype, implementation, case, magnitude, **call)
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("case", NATIVE_ONE_KEY_CASES, ids=[c[0] for c in NATIVE_ONE_KEY_CASES])
+def test_one_admissible_key_gives_its_value_exactly_native(native_backend_dtype, case, magnitude):
+    _check_one_key_rows(*native_backend_dtype, "native", case, magnitude)
+
+
 def test_return_value_packing(backend):
     rng = np.random.default_rng(5)
     q, k, v = (backend.asarray(randn(rng, 3, 4, 2), "float32") for _ in range(3))
