@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +65,7 @@ def plan_torch_public(p: Problem, req: Request) -> Delegation:
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=terms.is_causal, scale=scale_option(p), **extra
         )
-        return finish(p, req, terms, out, None)
+        return finish(p, req, terms, out, None, q, k)
 
     return Delegation(
         "torch.nn.functional.scaled_dot_product_attention",
@@ -90,11 +91,18 @@ def _direct_call(p: Problem, req: Request) -> Any:
     import torch
 
     options: dict[str, Any] = {"is_causal": kernel_causal(p, False), "scale": scale_option(p)}
+    groups = p.groups if p.grouped else 1
     if p.grouped:
         options["enable_gqa"] = True
 
     def direct(query: Any, key: Any, value: Any) -> Any:
-        return torch.nn.functional.scaled_dot_product_attention(query, key, value, **options)
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, **options)
+        # delegation.nan_rows, in torch's operations: a NaN in the query or the first key
+        bad = torch.isnan(query.sum(-1, keepdim=True))
+        first = torch.isnan(key[..., :1, :].sum(-1, keepdim=True))
+        if groups > 1:
+            first = first.repeat_interleave(groups, dim=-3)
+        return torch.where(bad | first, math.nan, out)
 
     return direct
 
@@ -132,7 +140,7 @@ def plan_torch_cpu_flash(p: Problem, req: Request) -> Delegation:
         )
         out = from_four_d(p, out, (p.L, p.Ev))
         lse = from_four_d(p, lse, (p.L,))
-        return finish(p, req, terms, out, lse)
+        return finish(p, req, terms, out, lse, q, k)
 
     return Delegation(
         "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
@@ -229,7 +237,8 @@ def plan_torch_cuda_lse(kernel: str) -> Callable[[Problem, Request], Delegation]
 
         def run() -> AttentionResult:
             terms = score_terms(p, req.mask, req.bias, merge=True)
-            lay = four_d(p, *cast(p, req))
+            query, key, value = cast(p, req)
+            lay = four_d(p, query, key, value)
             q, (k, v) = _pad_heads(lay.q), map(_pad_heads, _repeat_kv(lay))
             scale = scale_option(p)
             if kernel == _CUDNN:
@@ -249,7 +258,7 @@ def plan_torch_cuda_lse(kernel: str) -> Callable[[Problem, Request], Delegation]
             out = from_four_d(p, out[..., : p.Ev], (p.L, p.Ev))
             # cuDNN returns (B, H, L, 1); the memory-efficient kernel pads L to a multiple of 32
             lse = from_four_d(p, lse.reshape(lay.B, lay.Hq, -1)[..., : p.L], (p.L,))
-            return finish(p, req, terms, out, lse)
+            return finish(p, req, terms, out, lse, query, key)
 
         return Delegation(
             kernel,
