@@ -309,7 +309,7 @@ def test_nan_scores_give_nan_output_and_lse_native(native_lse_backend_dtype, sou
     """The native kernels too (torch's give zeros for a row whose scores are all NaN at
     some key lengths, 5 and 8, and NaN at others)."""
     backend, dtype = native_lse_backend_dtype
-    for S in (5, 8, 16):
+    for S in (5, 8, 16, 40):  # torch fixes its rows up to 31 float32 keys (_may_drop_nan)
         out, lse = _nan_call(backend, dtype, source, S, return_lse=True, implementation="native")
         _check_nan_rows(source, out, lse)
         # the output-only kernel (and its direct call)

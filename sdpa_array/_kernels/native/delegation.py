@@ -382,14 +382,20 @@ def weights_from_lse(p: Problem, req: Request, lse: Any) -> Any:
 
 
 def finish(
-    p: Problem, req: Request, terms: Terms, out: Any, lse: Any, q: Any, k: Any
+    p: Problem,
+    req: Request,
+    terms: Terms,
+    out: Any,
+    lse: Any,
+    nan_from: tuple[Any, Any] | None = None,
 ) -> AttentionResult:
     """The kernel's ``out`` and ``lse`` (in the call's layout) with the library's semantics:
-    NaN for rows whose scores are all NaN (:func:`nan_rows` of the kernel's ``q`` and
-    ``k``, heads first), zeros and ``-inf`` for rows without an admissible key, and the
-    weights where asked for."""
-    first_key = terms.mask is None and terms.bias is None and terms.row_ok is None
-    out, lse = fix_nan_rows(p, nan_rows(p, q, k, first_key=first_key), out, lse)
+    with ``nan_from`` (the kernel's query and key, heads first: a kernel that may give
+    zeros for a row whose scores are all NaN), NaN for the rows of :func:`nan_rows`; zeros
+    and ``-inf`` for rows without an admissible key; the weights where asked for."""
+    if nan_from is not None:
+        first_key = terms.mask is None and terms.bias is None and terms.row_ok is None
+        out, lse = fix_nan_rows(p, nan_rows(p, *nan_from, first_key=first_key), out, lse)
     out, lse = fix_empty_rows(p, terms, out, lse)
     weights = weights_from_lse(p, req, lse) if req.return_weights else None
     return AttentionResult(out=out, weights=weights, lse=lse if req.return_lse else None)

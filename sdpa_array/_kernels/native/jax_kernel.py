@@ -90,8 +90,7 @@ def plan_jax(p: Problem, req: Request) -> Delegation:
         terms = score_terms(p, req.mask, req.bias, merge=merge)
         mask4 = four_d_term(p, terms.mask, "mask")
         bias4 = four_d_term(p, terms.bias, "bias")
-        query, key, value = cast(p, req)
-        lay = four_d(p, query, key, value)
+        lay = four_d(p, *cast(p, req))
         q, k, v = (xp.permute_dims(x, (0, 2, 1, 3)) for x in (lay.q, lay.k, lay.v))
         options: dict[str, Any] = {"scale": scale_option(p), "is_causal": terms.is_causal}
         if cudnn:
@@ -105,7 +104,7 @@ def plan_jax(p: Problem, req: Request) -> Delegation:
         out = from_four_d(p, xp.permute_dims(out, (0, 2, 1, 3)), (p.L, p.Ev))
         if lse is not None:
             lse = from_four_d(p, xp.permute_dims(lse, (0, 2, 1)), (p.L,))
-        return finish(p, req, terms, out, lse, query, key)
+        return finish(p, req, terms, out, lse)
 
     return Delegation(
         CUDNN_KERNEL if cudnn else "jax.nn.dot_product_attention",
