@@ -18,7 +18,9 @@ arrive, so a mod relies on broadcasting only. ``batch`` is the index of the batc
 the leading batch axes (those before the heads axis) flattened in row-major order (0 where
 there are none); ``head`` the query head; ``q_idx`` and ``kv_idx`` absolute positions in
 the query and key sequences. A mod's result has the broadcast shape of the arguments it
-uses (a causal mask ignores ``batch`` and ``head``); the caller broadcasts it.
+uses (a causal mask ignores ``batch`` and ``head``); the caller broadcasts it. A score
+function's result has exactly the shape of the scores it is given (a ``ValueError`` says
+otherwise): one new score per score.
 
 A function of yours is always called with index arrays of the inputs' library and device
 (:func:`sdpa_array.create_block_mask`, which is given sizes only, calls it with NumPy ones),

@@ -173,6 +173,149 @@ def test_large_logits_do_not_overflow(backend_dtype, implementation):
     assert np.isfinite(reference.to_numpy(out)).all()
 
 
+#: Calls in which some rows admit exactly one key: ``(id, (L, S), options, {row: key})``.
+ONE_KEY_CASES = [
+    ("L=S=1", (1, 1), {}, {0: 0}),
+    ("S=1", (5, 1), {}, dict.fromkeys(range(5), 0)),
+    ("causal-first-row", (9, 9), {"is_causal": True}, {0: 0}),
+    ("window-0", (9, 9), {"window": (0, 0)}, {i: i for i in range(9)}),
+    (
+        "window-0-bottom-right",
+        (6, 9),
+        {"window": (0, 0), "alignment": "bottom_right"},
+        {i: i + 3 for i in range(6)},
+    ),
+]
+
+#: The one-key cases that every native kernel computes (no window, top-left).
+NATIVE_ONE_KEY_CASES = [c for c in ONE_KEY_CASES if "window" not in c[2]]
+
+
+def _check_one_key_rows(backend, dtype, implementation, case, magnitude, **call):
+    """Each row admitting one key returns that key's value bit for bit."""
+    _, (L, S), options, rows = case
+    rng = np.random.default_rng(7)
+    q, k = (
+        backend.asarray(randn(rng, 2, 3, L, 8), dtype),
+        backend.asarray(randn(rng, 2, 3, S, 8), dtype),
+    )
+    v = backend.asarray(randn(rng, 2, 3, S, 8) * magnitude, dtype)
+    out = sdpa_array.scaled_dot_product_attention(
+        q, k, v, implementation=implementation, **options, **call
+    )
+    out, v = reference.to_numpy(out), reference.to_numpy(v)
+    for row, key in rows.items():
+        np.testing.assert_array_equal(out[..., row, :], v[..., key, :], err_msg=f"row {row}")
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("case", ONE_KEY_CASES, ids=[c[0] for c in ONE_KEY_CASES])
+@pytest.mark.parametrize(
+    ("implementation", "call"),
+    [(i, {}) for i in IMPLEMENTATIONS] + [("blocked", {"block_q": 3, "block_k": 4})],
+    ids=[*IMPLEMENTATIONS, "blocked-3x4"],
+)
+def test_one_admissible_key_gives_its_value_exactly(
+    backend_dtype, implementation, call, case, magnitude
+):
+    """A row whose softmax has one admissible key weighs it by exactly 1, on every path
+    (the blocked kernel's fixed reference too: such rows take a running maximum)."""
+    _check_one_key_rows(*backend_dtype, implementation, case, magnitude, **call)
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("case", NATIVE_ONE_KEY_CASES, ids=[c[0] for c in NATIVE_ONE_KEY_CASES])
+def test_one_admissible_key_gives_its_value_exactly_native(native_backend_dtype, case, magnitude):
+    _check_one_key_rows(*native_backend_dtype, "native", case, magnitude)
+
+
+def _nan_score_mod(s, b, h, i, j):
+    """NaN for every score of query 1 (of the first head), the scores elsewhere."""
+    xp = sdpa_array._arrays.compat.array_namespace({"s": s})
+    nan = xp.asarray(math.nan, dtype=s.dtype, device=s.device)
+    return xp.where(xp.logical_and(i == 1, h == 0), nan, s)
+
+
+#: Where a NaN enters the scores: ``(id, options)``, and which ``(batch, head, row)`` come
+#: out NaN (every other row finite). The query and key change in ``_nan_call``.
+NAN_SOURCES = {
+    "query": ({}, [(0, 0, 1)]),
+    "key": ({}, [(0, 0, r) for r in range(4)]),
+    "causal-key-0": ({"is_causal": True}, [(0, 0, r) for r in range(4)]),
+    "bias-column": (
+        {"bias": "nan-column"},
+        [(b, h, r) for b in (0, 1) for h in (0, 1) for r in range(4)],
+    ),
+    "score_mod": ({"score_mod": _nan_score_mod}, [(b, 0, 1) for b in (0, 1)]),
+}
+
+
+def _nan_call(backend, dtype, source, S, **call):
+    """The call's output and log-sum-exp with a NaN from ``source`` (:data:`NAN_SOURCES`)."""
+    options, _ = NAN_SOURCES[source]
+    rng = np.random.default_rng(8)
+    q, k, v = randn(rng, 2, 2, 4, 8), randn(rng, 2, 2, S, 8), randn(rng, 2, 2, S, 8)
+    if source == "query":
+        q[0, 0, 1, 3] = np.nan
+    if source == "key":
+        k[0, 0, 2, 3] = np.nan
+    if source == "causal-key-0":
+        k[0, 0, 0, 3] = np.nan
+    options = dict(options)
+    if options.get("bias") == "nan-column":
+        bias = np.zeros((4, S))
+        bias[:, 2] = np.nan
+        options["bias"] = backend.asarray(bias, dtype)
+    q, k, v = (backend.asarray(x, dtype) for x in (q, k, v))
+    return sdpa_array.scaled_dot_product_attention(q, k, v, **options, **call)
+
+
+def _check_nan_rows(source, out, lse=None):
+    rows = np.zeros((2, 2, 4), dtype=bool)
+    for index in NAN_SOURCES[source][1]:
+        rows[index] = True
+    out = reference.to_numpy(out)
+    assert np.isnan(out[rows]).all(), "a row with a NaN score must come out NaN"
+    assert np.isfinite(out[~rows]).all()
+    if lse is not None:
+        lse = reference.to_numpy(lse)
+        assert np.isnan(lse[rows]).all(), "the log-sum-exp must be NaN where the output is"
+        assert np.isfinite(lse[~rows]).all()
+
+
+@pytest.mark.parametrize("source", list(NAN_SOURCES))
+@pytest.mark.parametrize(
+    ("implementation", "call"),
+    [(i, {}) for i in IMPLEMENTATIONS] + [("blocked", {"block_q": 3, "block_k": 2})],
+    ids=[*IMPLEMENTATIONS, "blocked-3x2"],
+)
+def test_nan_scores_give_nan_output_and_lse(backend_dtype, implementation, call, source):
+    """A row with a NaN score (from the query, a key, a bias column or a score function)
+    returns NaN in its output and its log-sum-exp, not the ``-inf`` of a row without an
+    admissible key; with and without the log-sum-exp asked for."""
+    backend, dtype = backend_dtype
+    for S in (5, 16):
+        out, lse = _nan_call(
+            backend, dtype, source, S, return_lse=True, implementation=implementation, **call
+        )
+        _check_nan_rows(source, out, lse)
+        _check_nan_rows(
+            source, _nan_call(backend, dtype, source, S, implementation=implementation, **call)
+        )
+
+
+@pytest.mark.parametrize("source", [s for s in NAN_SOURCES if s != "score_mod"])
+def test_nan_scores_give_nan_output_and_lse_native(native_lse_backend_dtype, source):
+    """The native kernels too (torch's give zeros for a row whose scores are all NaN at
+    some key lengths, 5 and 8, and NaN at others)."""
+    backend, dtype = native_lse_backend_dtype
+    for S in (5, 8, 16, 40):  # torch fixes its rows up to 31 float32 keys (_may_drop_nan)
+        out, lse = _nan_call(backend, dtype, source, S, return_lse=True, implementation="native")
+        _check_nan_rows(source, out, lse)
+        # the output-only kernel (and its direct call)
+        _check_nan_rows(source, _nan_call(backend, dtype, source, S, implementation="native"))
+
+
 def test_return_value_packing(backend):
     rng = np.random.default_rng(5)
     q, k, v = (backend.asarray(randn(rng, 3, 4, 2), "float32") for _ in range(3))

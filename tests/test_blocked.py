@@ -318,8 +318,12 @@ def test_blocked_computes_only_the_planned_tiles(monkeypatch):
         assert k0 <= q1 - 1, f"tile {q0}:{q1} x {k0}: is entirely above the diagonal"
     band = Band(L=40, S=40, is_causal=True, left=None, right=None, offset=0)
     # bounded scores take the fixed reference, whose tiles are cut to the rows that reach
-    # their keys; the 3 batch elements share one tile (they fit the tile budget together)
-    planned = tiling.plan_blocks(Restrictions((band,), 40, 40), 16, 4, cut_rows=True)
+    # their keys (the first row, which admits one key, is a block of its own); the 3 batch
+    # elements share one tile (they fit the tile budget together)
+    planned = tiling.plan_blocks(
+        Restrictions((band,), 40, 40), 16, 4, cut_rows=True, narrow_rows=True
+    )
+    assert planned[0] == tiling.QueryBlock(0, 1, planned[0].tiles, running_max=True)
     assert sorted(formed) == sorted(
         (*(t.rows or (b.start, b.stop)), t.start, t.stop) for b in planned for t in b.tiles
     )

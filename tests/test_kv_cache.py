@@ -842,3 +842,28 @@ def test_lengths_of_another_library():
         ),
     ):
         _call(cache_lengths=_torch_lengths())
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_nan_query_gives_nan_output_and_lse(backend_dtype, num_splits):
+    """A NaN in a query row gives that row NaN output and log-sum-exp for every
+    ``num_splits`` (the splits' ``-inf`` log-sum-exps merged to zeros and ``-inf``); the
+    other rows stay finite."""
+    backend, dtype = backend_dtype
+    rng = np.random.default_rng(10)
+    q = rng.standard_normal((B, HQ, L, E))
+    k, v = rng.standard_normal((B, HQ, T, E)), rng.standard_normal((B, HQ, T, EV))
+    q[1, 2, 0, 5] = np.nan
+    out, lse = attention_with_kv_cache(
+        *(backend.asarray(x, dtype) for x in (q, k, v)),
+        cache_lengths=[T, T - 3, 5],
+        num_splits=num_splits,
+        return_lse=True,
+    )[:2]  # then the caches
+    out, lse = reference.to_numpy(out), reference.to_numpy(lse)
+    assert np.isnan(out[1, 2, 0]).all()
+    assert np.isnan(lse[1, 2, 0])
+    rows = np.ones((B, HQ, L), dtype=bool)
+    rows[1, 2, 0] = False
+    assert np.isfinite(out[rows]).all()
+    assert np.isfinite(lse[rows]).all()

@@ -680,3 +680,30 @@ def test_arrays_on_two_devices_are_refused(torch_backend):
     lses = torch_backend.asarray(LSES[:2], "float32")
     with pytest.raises(ValueError, match=r"got outs\[0\] on .* and outs\[1\] on meta"):
         merge_attention_states([outs[0], on_meta[0, ..., None].expand(2, 4, 5)], lses)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "materialized", "blocked"])
+def test_parts_with_a_nan_query_merge_to_nan(backend_dtype, implementation):
+    """Attention over two halves of the keys with a NaN in one query row: each part's row
+    is NaN in its output and its log-sum-exp, so the merge keeps it NaN (a log-sum-exp of
+    ``-inf`` would have dropped both parts and given zeros); the other rows match the
+    whole call."""
+    backend, dtype = backend_dtype
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((2, 3, n, 4)) for n in (5, 6, 6))
+    q[1, 2, 3, 0] = np.nan
+    xq, xk, xv = (backend.asarray(x, dtype) for x in (q, k, v))
+    parts = [
+        sdpa_array.scaled_dot_product_attention(
+            xq, xk[..., keys, :], xv[..., keys, :], return_lse=True, implementation=implementation
+        )
+        for keys in (slice(0, 3), slice(3, 6))
+    ]
+    out, lse = merge_attention_states([p[0] for p in parts], [p[1] for p in parts])
+    out, lse = host(out), host(lse)
+    assert np.isnan(out[1, 2, 3]).all()
+    assert np.isnan(lse[1, 2, 3])
+    rows = np.ones((2, 3, 5), dtype=bool)
+    rows[1, 2, 3] = False
+    assert np.isfinite(out[rows]).all()
+    assert np.isfinite(lse[rows]).all()

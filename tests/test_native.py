@@ -580,3 +580,28 @@ def test_jax_arrays_count_as_on_a_gpu_by_their_platform(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     jax.jit(lambda a: seen.append(on_gpu(a)) or a * 3)(x)
     assert seen == [real == "gpu", True, False]
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("implementation", ["native", "auto", "materialized", "blocked"])
+def test_nan_query_row_under_autograd(torch_cpu_backend, implementation, return_lse):
+    """Under torch autograd a NaN query row comes out NaN on every implementation (torch's
+    kernels give it zeros at 5 keys), its log-sum-exp too, and so does its gradient."""
+    import torch
+
+    rng = np.random.default_rng(11)
+    q, k, v = (
+        torch.tensor(rng.standard_normal((1, 2, n, 8)), dtype=torch.float32) for n in (4, 5, 5)
+    )
+    q[0, 1, 2, 3] = float("nan")
+    q.requires_grad_(True)
+    result = sdpa_array.scaled_dot_product_attention(
+        q, k, v, implementation=implementation, return_lse=return_lse
+    )
+    out = result[0] if return_lse else result
+    (dq,) = torch.autograd.grad(out.nan_to_num(0.0).sum() + out[0, 1, 2].sum(), q)
+    assert torch.isnan(out[0, 1, 2]).all()
+    assert torch.isfinite(out[0, 0]).all()
+    if return_lse:
+        assert torch.isnan(result[1][0, 1, 2])
+    assert torch.isnan(dq[0, 1, 2]).all()

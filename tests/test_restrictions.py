@@ -253,6 +253,28 @@ def test_forward_plan_with_cut_rows_covers_every_admissible_pair_once(args, bq, 
     assert (covered[grid] == 1).all()
 
 
+@given(st.one_of(band_args, long_band_args), st.integers(1, 64), st.integers(1, 9))
+def test_forward_plan_gives_rows_admitting_one_key_a_running_maximum(args, bq, bk):
+    """With ``narrow_rows`` every row admitting at most one key is in a block marked
+    ``running_max`` (whose tiles are not cut to rows), and no other row is; the blocks
+    still cover the queries in order and every admissible pair once."""
+    L, S = args[:2]
+    grid = _grid(*args)
+    r = Restrictions((_band(*args),), L, S)
+    blocks = plan_blocks(r, bq, bk, cut_rows=True, narrow_rows=True)
+    assert [b.start for b in blocks] == [0, *(b.stop for b in blocks[:-1])]
+    assert blocks[-1].stop == L
+    covered = np.zeros((L, S), dtype=int)
+    for block in blocks:
+        narrow = grid[block.start : block.stop].sum(axis=1) <= 1
+        assert narrow.all() if block.running_max else not narrow.any()
+        for tile in block.tiles:
+            assert tile.rows is None or not block.running_max
+            a, b = tile.rows or (block.start, block.stop)
+            covered[a:b, tile.start : tile.stop] += grid[a:b, tile.start : tile.stop]
+    assert (covered == grid).all()
+
+
 @given(band_args, st.sampled_from([None, 2, 3]), st.sampled_from([None, 2, 5]))
 def test_backward_plan_reaches_every_admissible_key(args, bq, bk):
     L, S, is_causal, left, right, bottom_right = args

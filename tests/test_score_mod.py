@@ -257,12 +257,24 @@ def _wrong_shape(s, b, h, i, j):
     return xp.zeros((3, 1, 1, 1, 1), dtype=s.dtype)
 
 
+def _first_column(s, b, h, i, j):
+    """Not element by element: each row's first score, broadcast (it would depend on the
+    tiles' size)."""
+    return s[..., :1]
+
+
 @pytest.mark.parametrize(
     ("score_mod", "error", "match"),
     [
         pytest.param(3.0, TypeError, "score_mod must be a callable", id="not-callable"),
         pytest.param(_wrong_dtype, TypeError, "score_mod .* real floating", id="integers"),
-        pytest.param(_wrong_shape, ValueError, "score_mod .* does not broadcast", id="shape"),
+        pytest.param(_wrong_shape, ValueError, r"score_mod .* not the shape", id="shape"),
+        pytest.param(
+            _first_column,
+            ValueError,
+            r"score_mod .* returned shape \(1, 1, 2, 1\), not the shape \(1, 1, 2, 2\)",
+            id="not-element-wise",
+        ),
         pytest.param(
             mods.score_function(_squash, _wrong_shape),
             ValueError,

@@ -68,15 +68,17 @@ def _online_tiles(
 ) -> tuple[Array, Array, Array, Array]:
     """The online softmax over the block's tiles: each row's reference (its running
     maximum, :func:`exp_shift`), ``Σ exp(score - ref)``, ``Σ exp(score - ref) v`` and, with
-    ``maxima``, the largest scaled products (else ``None``)."""
+    ``maxima``, the largest scaled products (else ``None``). The scores, the maxima and the
+    reference are in the terms' unit (:meth:`~.score_terms.ScoreTerms.exp`: times
+    ``log2(e)`` for operands in base 2, whose rows admitting one key take this softmax)."""
     xp = p.xp
     terms = ops.terms
     rows = slice(block.start, block.stop)
     running_max = total = acc = ref = best = None
     if terms.sink is not None:  # the sink starts each row: m = sink, l = exp(sink - m)
-        running_max = terms.sink
+        running_max = terms.sink if terms.unit == 1.0 else terms.sink * terms.unit
         ref = exp_shift(p, running_max)
-        total = xp.exp(running_max - ref)
+        total = terms.exp(xp, running_max - ref)
     for tile in block.tiles:
         cols = slice(tile.start, tile.stop)
         s, tile_max, tile_best = tile_scores_and_maxima(p, ops, q, rows, cols, maxima=maxima)
@@ -84,14 +86,15 @@ def _online_tiles(
             best = tile_best if best is None else xp.maximum(best, tile_best)
         new_max = tile_max if running_max is None else xp.maximum(running_max, tile_max)
         new_ref = exp_shift(p, new_max)
-        e = inplace.exp(xp, inplace.subtract(s, new_ref))
+        e = terms.exp(xp, inplace.subtract(s, new_ref))
         del s
         tile_total, tile_out = _tile_sums(p, ops, e, rows, cols)
         del e
         if running_max is None:
             total, acc = tile_total, tile_out
         else:
-            alpha = xp.exp(running_max - new_ref)  # 0 while the row had no admissible key
+            # 0 while the row had no admissible key
+            alpha = terms.exp(xp, running_max - new_ref)
             total = total * alpha + tile_total
             acc = tile_out if acc is None else acc * alpha + tile_out
         running_max, ref = new_max, new_ref
@@ -218,6 +221,9 @@ def _query_block(
         ref, total, acc, best = _fixed_reference_tiles(p, ops, q, block, maxima)
     else:
         ref, total, acc, best = _online_tiles(p, ops, q, block, maxima)
+        if terms.unit != 1.0:  # the reference and the maxima back in natural units
+            ref = ref / terms.unit
+            best = None if best is None else best / terms.unit
     inv = safe_reciprocal(p, total)
     out = acc * (inv if ops.dropout is None else inv * ops.dropout.factor)
     lse = log_sum_exp(p, ref, total)
@@ -260,26 +266,30 @@ def blocked_attention(
     maxima = outputs.max_scores
     ops, bound = chunks_from_bound(p, ops)  # products cut where the scores may be large
     fixed = not plans_for_gpu(p) and fixed_reference(p, ops, bound)
+    # with the fixed reference a tile may cover some of its block's rows (cut_rows), and
+    # rows admitting at most one key have blocks of their own, with a running maximum
+    if per_sequence:  # each sequence skips the tiles its own lengths or segments exclude
+        plans = {
+            index: plan_blocks(
+                ops.restrictions.at(index), bq, bk, cut_rows=fixed, narrow_rows=fixed
+            )
+            for index in outer
+        }
+    else:
+        shared = plan_blocks(ops.restrictions, bq, bk, cut_rows=fixed, narrow_rows=fixed)
+        plans = dict.fromkeys(outer, shared)
     # exp2 of the scores times log2(e): faster than exp; the maximum scores are then those
     # scores' maxima over log2(e), except where the scores are not the scaled products
     if fixed and inplace.has_exp2(xp) and not (maxima and ops.terms.changes_scores):
         ops = ops.in_base2(in_place=True)  # the operands before are not used again
     slices = {index: ops.at(index) for index in outer}
-    # with the fixed reference a tile may cover some of its block's rows (cut_rows)
-    if per_sequence:  # each sequence skips the tiles its own lengths or segments exclude
-        plans = {
-            index: plan_blocks(slices[index].restrictions, bq, bk, cut_rows=fixed)
-            for index in outer
-        }
-    else:
-        shared = plan_blocks(ops.restrictions, bq, bk, cut_rows=fixed)
-        plans = dict.fromkeys(outer, shared)
     items = [(index, block) for index in outer for block in plans[index]]
     inner = batch[split:]
     costs = [block_scores(block) for _, block in items]
 
     def run(item: tuple[tuple[int, ...], QueryBlock]) -> tuple[Array, Array, Array]:
-        return _query_block(p, slices[item[0]], inner, item[1], maxima, fixed)
+        index, block = item
+        return _query_block(p, slices[index], inner, block, maxima, fixed and not block.running_max)
 
     # where the library allows, each item writes its rows into the results (no assembly)
     filled = _Filled.make(p, ops, batch, outputs.lse, maxima)
@@ -293,9 +303,10 @@ def blocked_attention(
 
     results = map_blocks(xp, run, items, costs)
     outs, lses, bests = [], [], []
-    n_blocks = len(plans[outer[0]])  # every plan covers [0, L) with the same query blocks
-    for i in range(len(outer)):
-        mine = results[i * n_blocks : (i + 1) * n_blocks]
+    done = 0  # every plan covers [0, L) in order; plans of sequences may cut it differently
+    for index in outer:
+        mine = results[done : done + len(plans[index])]
+        done += len(plans[index])
         outs.append(concat(xp, [r[0] for r in mine], axis=-2))
         lses.append(concat(xp, [r[1] for r in mine], axis=-1))
         if maxima:

@@ -174,6 +174,43 @@ class Restrictions:
             lo, hi = max(lo, a), min(hi, b)
         return lo, max(lo, hi)
 
+    def narrow_ends(self, rows: slice) -> tuple[int, int]:
+        """``(a, b)``: the rows ``[rows.start, a)`` and ``[b, rows.stop)`` at either end of
+        ``rows`` each admit at most one key, as the members' key ranges of single rows tell
+        (a causal call's first row, every row of a window of width 0; ``a <= b``).
+
+        Each run is found by doubling steps from its end and a bisection, which takes the
+        rows' key ranges to widen away from the ends of ``rows`` (a band's do): a few key
+        ranges per block. A row admitting one key that the ranges do not show (a dense
+        mask's) is not found.
+        """
+        start, stop = rows.start, rows.stop
+
+        def narrow(i: int) -> bool:
+            lo, hi = self.key_range(i, i + 1)
+            return hi - lo <= 1
+
+        def run(first: int, step: int, end: int) -> int:
+            """How many rows from ``first`` towards ``end`` (exclusive) are narrow."""
+            limit = abs(end - first)
+            if limit == 0 or not narrow(first):
+                return 0
+            known, n = 1, 2  # rows [0, known) narrow; row n - 1 is the next probe
+            while n <= limit and narrow(first + step * (n - 1)):
+                known, n = n, 2 * n
+            wide = min(n, limit + 1)  # the first n with row n - 1 wide, or past the end
+            while known + 1 < wide:
+                mid = (known + wide) // 2
+                if narrow(first + step * (mid - 1)):
+                    known = mid
+                else:
+                    wide = mid
+            return known
+
+        a = start + run(start, 1, stop)
+        b = stop - run(stop - 1, -1, a - 1)
+        return a, max(a, b)
+
     def full_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
         """Keys that every query of ``[q_start, q_stop)`` may attend (intersection)."""
         lo, hi = 0, self.S

@@ -2,7 +2,7 @@
 
 A row with no admissible key has only ``-inf`` scores. These helpers never form
 ``inf - inf`` or ``log(0)`` for such a row, so it gets weights and output of exactly zero and
-a log-sum-exp of ``-inf``.
+a log-sum-exp of ``-inf``. A row with a NaN score gets NaN in both.
 """
 
 from __future__ import annotations
@@ -73,9 +73,10 @@ def safe_reciprocal(p: Problem, total: Array) -> Array:
 
 
 def log_sum_exp(p: Problem, row_max: Array, total: Array) -> Array:
-    """``row_max + log(total)``, and ``-inf`` where ``total == 0``; drops the last axis."""
+    """``row_max + log(total)``, and ``-inf`` where ``total == 0`` (no admissible key);
+    drops the last axis. A NaN ``total`` (a NaN score) gives NaN, as the output does."""
     xp = p.xp
-    positive = total > 0
-    lse = row_max + xp.log(xp.where(positive, total, xp.ones_like(total)))
-    lse = xp.where(positive, lse, xp.asarray(-math.inf, dtype=lse.dtype, device=p.device))
+    empty = total == 0
+    lse = row_max + xp.log(xp.where(empty, xp.ones_like(total), total))
+    lse = xp.where(empty, xp.asarray(-math.inf, dtype=lse.dtype, device=p.device), lse)
     return lse[..., 0]

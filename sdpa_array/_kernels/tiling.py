@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import itertools
 import math
@@ -143,12 +144,17 @@ class KeyTile:
 class QueryBlock:
     """Queries ``[start, stop)`` and the key tiles they visit, in order.
 
-    An empty ``tiles`` means no query of the block may attend any key.
+    An empty ``tiles`` means no query of the block may attend any key. ``running_max``: the
+    block's rows admit at most one key each (:meth:`~.restrictions.Restrictions.narrow_ends`),
+    and the forward kernel gives them a running maximum where the other rows take the fixed
+    reference, so that such a row's one weight is ``exp(0) = 1`` and its output that key's
+    value, exactly.
     """
 
     start: int
     stop: int
     tiles: tuple[KeyTile, ...]
+    running_max: bool = False
 
 
 def block_scores(block: QueryBlock) -> int:
@@ -265,7 +271,12 @@ def _full_rows_from(r: Restrictions, a: int, b: int, cols: slice) -> int:
 
 
 def plan_blocks(
-    r: Restrictions, block_q: int, block_k: int, *, cut_rows: bool = False
+    r: Restrictions,
+    block_q: int,
+    block_k: int,
+    *,
+    cut_rows: bool = False,
+    narrow_rows: bool = False,
 ) -> list[QueryBlock]:
     """The query blocks of a forward pass and, for each, the key tiles it must visit.
 
@@ -295,15 +306,15 @@ def plan_blocks(
     1.5 MB): a repeated call does not plan again.
     """
     if all(isinstance(m, Band) for m in r.members):
-        return list(_band_plan(r, block_q, block_k, cut_rows))
-    return _plan(r, block_q, block_k, cut_rows)
+        return list(_band_plan(r, block_q, block_k, cut_rows, narrow_rows))
+    return _plan(r, block_q, block_k, cut_rows, narrow_rows)
 
 
 @functools.lru_cache(maxsize=16)
 def _band_plan(
-    r: Restrictions, block_q: int, block_k: int, cut_rows: bool
+    r: Restrictions, block_q: int, block_k: int, cut_rows: bool, narrow_rows: bool
 ) -> tuple[QueryBlock, ...]:
-    return tuple(_plan(r, block_q, block_k, cut_rows))
+    return tuple(_plan(r, block_q, block_k, cut_rows, narrow_rows))
 
 
 def clear_band_plans() -> None:
@@ -311,23 +322,40 @@ def clear_band_plans() -> None:
     _band_plan.cache_clear()
 
 
-def _plan(r: Restrictions, block_q: int, block_k: int, cut_rows: bool) -> list[QueryBlock]:
+def _plan(
+    r: Restrictions, block_q: int, block_k: int, cut_rows: bool, narrow_rows: bool
+) -> list[QueryBlock]:
     blocks = []
     for q0 in range(0, r.L, block_q):
         rows = slice(q0, min(q0 + block_q, r.L))
-        lo, hi = r.key_range(rows.start, rows.stop)
-        full_lo, full_hi = r.full_range(rows.start, rows.stop)
-        full_lo = min(max(full_lo, lo), hi)
-        full_hi = max(min(full_hi, hi), full_lo)
-        # the full range shrunk to the grid of block_k from lo: no sliver tiles around it
-        full_lo = lo + -(-(full_lo - lo) // block_k) * block_k
-        full_hi = lo + (full_hi - lo) // block_k * block_k
-        cuts = [lo, hi] if full_lo >= full_hi else [lo, full_lo, full_hi, hi]
-        tiles = [
-            t for a, b in itertools.pairwise(cuts) for t in _tiles(r, rows, a, b, block_k, cut_rows)
-        ]
-        blocks.append(QueryBlock(rows.start, rows.stop, tuple(tiles)))
+        if not narrow_rows:
+            blocks.append(_query_block(r, rows, block_k, cut_rows))
+            continue
+        a, b = r.narrow_ends(rows)
+        for start, stop, narrow in ((rows.start, a, True), (a, b, False), (b, rows.stop, True)):
+            # a narrow run in blocks of at most block_k rows: each reaches about as many keys
+            step = block_k if narrow else max(stop - start, 1)
+            for s0 in range(start, stop, step):
+                part = slice(s0, min(s0 + step, stop))
+                block = _query_block(r, part, block_k, cut_rows and not narrow)
+                blocks.append(dataclasses.replace(block, running_max=narrow))
     return blocks
+
+
+def _query_block(r: Restrictions, rows: slice, block_k: int, cut_rows: bool) -> QueryBlock:
+    """The query block of ``rows`` and the key tiles it visits (see :func:`plan_blocks`)."""
+    lo, hi = r.key_range(rows.start, rows.stop)
+    full_lo, full_hi = r.full_range(rows.start, rows.stop)
+    full_lo = min(max(full_lo, lo), hi)
+    full_hi = max(min(full_hi, hi), full_lo)
+    # the full range shrunk to the grid of block_k from lo: no sliver tiles around it
+    full_lo = lo + -(-(full_lo - lo) // block_k) * block_k
+    full_hi = lo + (full_hi - lo) // block_k * block_k
+    cuts = [lo, hi] if full_lo >= full_hi else [lo, full_lo, full_hi, hi]
+    tiles = [
+        t for a, b in itertools.pairwise(cuts) for t in _tiles(r, rows, a, b, block_k, cut_rows)
+    ]
+    return QueryBlock(rows.start, rows.stop, tuple(tiles))
 
 
 def batch_slices(

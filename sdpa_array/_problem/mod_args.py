@@ -85,8 +85,14 @@ def check_mods(
         if mod is not None:
             call_mod(name, mod, probe, shape)
     if score_mod is not None:
+        # up to 2 x 2 scores: a result that is not one score per score shows in its shape
+        rows, cols = max(1, min(L, 2)), max(1, min(S, 2))
+        grid = index_grid(
+            xp, device, (1,) * len(seq), (1,) * len(heads), slice(0, rows), slice(0, cols)
+        )
+        shape = (*shape[:-2], rows, cols)
         zero = xp.zeros(shape, dtype=dtype, device=device)
         for name, mod in (("score_mod", score_mod), ("score_mod.derivative", derivative)):
             if mod is not None:
-                call_mod(name, mod, probe, shape, score=zero)
+                call_mod(name, mod, grid, shape, score=zero)
     return mask_mod, bias_mod, score_mod

@@ -88,13 +88,15 @@ def call_mod(
     score: Array | None = None,
 ) -> Array:
     """``mod(*indices)`` (``mod(score, *indices)`` for a score function), checked: an array
-    of the indices' library and ``name``'s dtype kind that broadcasts to the scores' ``shape``.
+    of the indices' library and ``name``'s dtype kind that broadcasts to the scores' ``shape``
+    (``score_mod``'s: of exactly ``score``'s shape, as it computes element by element; its
+    derivative, a factor, may broadcast).
 
     Raises
     ------
     ValueError
         The mod raised (the original error is chained), or its result does not broadcast
-        to ``shape``.
+        to ``shape`` (``score_mod``'s is not of ``score``'s shape).
     TypeError
         The result is not an array of the indices' library, or has the wrong dtype.
     """
@@ -124,6 +126,12 @@ def call_mod(
             f"{name} {_describe(mod)} must return {described} array, got {result.dtype}"
         )
     got = tuple(result.shape)
+    if name == "score_mod" and score is not None and got != tuple(score.shape):
+        raise ValueError(
+            f"{name} {_describe(mod)} returned shape {got}, not the shape "
+            f"{tuple(score.shape)} of the scores it was given: a score function computes "
+            "element by element, so its result has exactly the scores' shape"
+        )
     try:
         fits = tuple(np.broadcast_shapes(got, shape)) == tuple(shape)
     except ValueError:

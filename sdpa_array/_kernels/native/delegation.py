@@ -30,6 +30,7 @@ __all__ = [
     "common_checks",
     "finish",
     "fix_empty_rows",
+    "fix_nan_rows",
     "four_d",
     "four_d_term",
     "from_four_d",
@@ -37,6 +38,7 @@ __all__ = [
     "kernel_dtype",
     "length_checks",
     "length_terms",
+    "nan_rows",
     "refuse",
     "scale_option",
     "score_terms",
@@ -317,6 +319,39 @@ def _length_only_terms(p: Problem, is_causal: bool, keys: Any, rows: Any, *, mer
     return Terms(is_causal, keys, None, rows)
 
 
+def nan_rows(p: Problem, q: Any, k: Any, *, first_key: bool) -> Any:
+    """Rows ``(..., L, 1)`` that must come out NaN because every score of theirs is NaN:
+    the query holds a NaN (its row sum is NaN) and, with ``first_key`` (a call whose every
+    row admits key 0: no mask, bias or lengths beside the kernel's own ``is_causal``), the
+    first key holds one. Some kernels give such rows zeros (torch's CPU kernels, whose
+    row maximum skips NaN); a row with a finite score among its NaN ones they give NaN.
+
+    ``q`` and ``k`` are the arrays the kernel took, heads first: cheap row reductions, no
+    host synchronisation. A row the mask, bias or lengths leave without an admissible key
+    stays zeros (:func:`fix_empty_rows` comes after).
+    """
+    xp = p.xp
+    bad = xp.isnan(xp.sum(q, axis=-1, keepdims=True))
+    if first_key and p.S > 0:
+        first = xp.isnan(xp.sum(k[..., :1, :], axis=-1, keepdims=True))  # (..., Hkv, 1, 1)
+        if p.grouped:  # each key/value head for its group of query heads
+            shape = tuple(first.shape)
+            first = xp.broadcast_to(first[..., None, :, :], (*shape[:-2], p.groups, 1, 1))
+            first = xp.reshape(first, (*shape[:-3], shape[-3] * p.groups, 1, 1))
+        bad = xp.logical_or(bad, first)
+    return bad
+
+
+def fix_nan_rows(p: Problem, bad: Any, out: Any, lse: Any) -> tuple[Any, Any]:
+    """NaN output and log-sum-exp for the rows of :func:`nan_rows`, whatever the kernel
+    gave (the other rows' values are kept as they are)."""
+    xp = p.xp
+    out = xp.where(bad, xp.asarray(math.nan, dtype=out.dtype, device=p.device), out)
+    if lse is not None:
+        lse = xp.where(bad[..., 0], xp.asarray(math.nan, dtype=lse.dtype, device=p.device), lse)
+    return out, lse
+
+
 def fix_empty_rows(p: Problem, terms: Terms, out: Any, lse: Any) -> tuple[Any, Any]:
     """Zeros and ``-inf`` for rows with no admissible key, whatever the kernel gave."""
     if terms.row_ok is None:
@@ -340,7 +375,21 @@ def weights_from_lse(p: Problem, req: Request, lse: Any) -> Any:
     return ungroup(p, xp.exp(s - exp_shift(p, lse)[..., None]))
 
 
-def finish(p: Problem, req: Request, terms: Terms, out: Any, lse: Any) -> AttentionResult:
+def finish(
+    p: Problem,
+    req: Request,
+    terms: Terms,
+    out: Any,
+    lse: Any,
+    nan_from: tuple[Any, Any] | None = None,
+) -> AttentionResult:
+    """The kernel's ``out`` and ``lse`` (in the call's layout) with the library's semantics:
+    with ``nan_from`` (the kernel's query and key, heads first: a kernel that may give
+    zeros for a row whose scores are all NaN), NaN for the rows of :func:`nan_rows`; zeros
+    and ``-inf`` for rows without an admissible key; the weights where asked for."""
+    if nan_from is not None:
+        first_key = terms.mask is None and terms.bias is None and terms.row_ok is None
+        out, lse = fix_nan_rows(p, nan_rows(p, *nan_from, first_key=first_key), out, lse)
     out, lse = fix_empty_rows(p, terms, out, lse)
     weights = weights_from_lse(p, req, lse) if req.return_weights else None
     return AttentionResult(out=out, weights=weights, lse=lse if req.return_lse else None)

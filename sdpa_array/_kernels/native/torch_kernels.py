@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,22 @@ def _torch_sdpa_has_gqa() -> bool:
     return "enable_gqa" in params
 
 
+#: torch's CPU kernels take a row's maximum score in vectors of up to this many bytes and the
+#: rest one score at a time, which skips a NaN: a row shorter than a vector whose every
+#: score is NaN comes out zeros (float32 rows of up to 15 keys, float64 of up to 7, with
+#: 64-byte vectors); longer rows come out NaN.
+_VECTOR_BYTES = 64
+
+
+def _may_drop_nan(p: Problem) -> bool:
+    """Whether torch's kernel may give zeros for a row whose scores are all NaN, so that
+    such rows are fixed after it (:func:`~.delegation.nan_rows`): rows shorter than two
+    vectors (a margin for wider ones), and every call on CUDA, whose kernels' handling is
+    not stated here."""
+    itemsize = p.xp.finfo(kernel_dtype(p)).bits // 8
+    return p.on_gpu or p.S * itemsize < 2 * _VECTOR_BYTES
+
+
 def plan_torch_public(p: Problem, req: Request) -> Delegation:
     """``torch.nn.functional.scaled_dot_product_attention``: output only, any device."""
     common_checks(p, req)
@@ -64,7 +81,7 @@ def plan_torch_public(p: Problem, req: Request) -> Delegation:
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=terms.is_causal, scale=scale_option(p), **extra
         )
-        return finish(p, req, terms, out, None)
+        return finish(p, req, terms, out, None, (q, k) if _may_drop_nan(p) else None)
 
     return Delegation(
         "torch.nn.functional.scaled_dot_product_attention",
@@ -90,11 +107,28 @@ def _direct_call(p: Problem, req: Request) -> Any:
     import torch
 
     options: dict[str, Any] = {"is_causal": kernel_causal(p, False), "scale": scale_option(p)}
+    groups = p.groups if p.grouped else 1
     if p.grouped:
         options["enable_gqa"] = True
 
-    def direct(query: Any, key: Any, value: Any) -> Any:
+    def plain(query: Any, key: Any, value: Any) -> Any:
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, **options)
+
+    if not _may_drop_nan(p):
+        return plain
+
+    def direct(query: Any, key: Any, value: Any) -> Any:
+        out = plain(query, key, value)
+        # delegation.nan_rows in few torch operations (a small call pays for each): a NaN
+        # in the query's row sum or the first key's (inf - inf needs sums past the largest
+        # float, whose scores overflow too)
+        first = key[..., :1, :].sum(-1, keepdim=True)
+        if groups > 1:
+            first = first.repeat_interleave(groups, dim=-3)
+        bad = torch.isnan(query.sum(-1, keepdim=True).add_(first))
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+            return torch.where(bad, math.nan, out)  # the kernel's backward keeps its output
+        return out.masked_fill_(bad, math.nan)
 
     return direct
 
@@ -132,7 +166,7 @@ def plan_torch_cpu_flash(p: Problem, req: Request) -> Delegation:
         )
         out = from_four_d(p, out, (p.L, p.Ev))
         lse = from_four_d(p, lse, (p.L,))
-        return finish(p, req, terms, out, lse)
+        return finish(p, req, terms, out, lse, (q, k) if _may_drop_nan(p) else None)
 
     return Delegation(
         "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
@@ -229,7 +263,8 @@ def plan_torch_cuda_lse(kernel: str) -> Callable[[Problem, Request], Delegation]
 
         def run() -> AttentionResult:
             terms = score_terms(p, req.mask, req.bias, merge=True)
-            lay = four_d(p, *cast(p, req))
+            query, key, value = cast(p, req)
+            lay = four_d(p, query, key, value)
             q, (k, v) = _pad_heads(lay.q), map(_pad_heads, _repeat_kv(lay))
             scale = scale_option(p)
             if kernel == _CUDNN:
@@ -249,7 +284,7 @@ def plan_torch_cuda_lse(kernel: str) -> Callable[[Problem, Request], Delegation]
             out = from_four_d(p, out[..., : p.Ev], (p.L, p.Ev))
             # cuDNN returns (B, H, L, 1); the memory-efficient kernel pads L to a multiple of 32
             lse = from_four_d(p, lse.reshape(lay.B, lay.Hq, -1)[..., : p.L], (p.L,))
-            return finish(p, req, terms, out, lse)
+            return finish(p, req, terms, out, lse, (query, key))  # on CUDA
 
         return Delegation(
             kernel,
