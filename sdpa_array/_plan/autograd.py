@@ -54,7 +54,8 @@ from .._arrays.compat import in_library, namespace_name
 from .._arrays.typing import Array
 from .._kernels.native import Request, plan_native
 from .._kernels.result import AttentionResult, finish_gradients
-from .._problem.mod_parameters import declared_parameters, trainable_mods
+from .._problem.mod_calls import index_grid
+from .._problem.mod_parameters import declared_parameters, has_parameters, trainable_mods
 from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .dispatch import Choice, choose
@@ -81,18 +82,22 @@ def _forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> Attenti
     if not outputs.weights:
         library = namespace_name(p.xp)
         if library == "torch":
-            params = _trainable_parameters(p, _torch_trainable)
-            needs = _torch_needs_grad(x) or params or _mods_hold(p, _torch_trainable, params)
-            if _torch_grad_enabled() and needs:
+            trained = _with_captured(p, _torch_trainable)
+            params = _trainable_parameters(trained, _torch_trainable)
+            held = _mods_hold(trained, _torch_trainable, params)
+            if _torch_grad_enabled() and (_torch_needs_grad(x) or params or held):
                 backward = _torch_backward_choice(choice, p, x, outputs.lse)
-                if backward is not None and _mods_hold(p, _torch_trainable, params):
+                if backward is not None and held:
                     return _materialized_instead(choice, p, x, outputs)
                 if backward is not None:
-                    return _torch_forward(choice, backward, p, x, outputs, params)
+                    return _torch_forward(choice, backward, trained, x, outputs, params)
         if library == "jax" and choice.row.own_autograd:
-            params = _trainable_parameters(p, _jax_tracer, rebuilt=True)
-            if _jax_traced(x) or params or _mods_hold(p, _jax_tracer, params):
-                return _jax_forward(choice, p, x, outputs, params)
+            trained = _with_captured(p, _jax_tracer)
+            params = _trainable_parameters(trained, _jax_tracer, rebuilt=True)
+            if _mods_hold(trained, _jax_tracer, params):
+                return _materialized_instead(choice, p, x, outputs)
+            if _jax_traced(x) or params:
+                return _jax_forward(choice, p, trained, x, outputs, params)
     return choice.forward(p, x, outputs)
 
 
@@ -198,49 +203,243 @@ def _materialized_instead(
     choice: Choice, p: Problem, x: Inputs, outputs: Outputs
 ) -> AttentionResult:
     """The materialized forward, which the library's autodiff differentiates whole, for a
-    call whose mods hold arrays autodiff follows (:func:`_mods_hold`): a wrapper around our
-    backward kernels cannot take them as inputs. ``TypeError`` for an explicit choice."""
+    call whose mods still hold arrays autodiff follows that no wrapper takes as inputs
+    (:func:`_mods_hold`: a ``mask_mod``'s, a function's beside declared parameters, a JAX
+    integer tracer). ``TypeError`` for an explicit choice."""
     if not choice.automatic:
         raise TypeError(
-            f"implementation={choice.name!r} cannot differentiate a mask_mod, bias_mod or "
-            "score_mod that closes over traced arrays or tensors that require grad (its "
-            "autodiff wrapper takes only the call's own arrays): pass the function's data "
-            "as constants, or use implementation='materialized' (or 'auto', which then "
-            "runs it)"
+            f"implementation={choice.name!r} cannot differentiate this call: its mask_mod, "
+            "or a bias_mod or score_mod that also declares parameters, closes over traced "
+            "arrays or tensors that require grad that its autodiff wrapper cannot take as "
+            "inputs (a bias_mod's or score_mod's own captured floating arrays it takes): "
+            "pass such data as constants, or use implementation='materialized' (or "
+            "'auto', which then runs it)"
         )
     return Choice("materialized", automatic=True).forward(p, x, outputs)
+
+
+def _held_arrays(obj: Any, autodiff_array: Callable[[Any], bool], depth: int = 4) -> list[Any]:
+    """The arrays autodiff follows (``autodiff_array``) that ``obj`` holds: itself, or in
+    the fields of a dataclass, the closure, defaults or partial arguments of a function, a
+    bound method's object, tuples and lists, ``depth`` levels deep; each once."""
+    found: list[Any] = []
+
+    def visit(o: Any, depth: int) -> None:
+        if autodiff_array(o):
+            if not any(o is a for a in found):
+                found.append(o)
+            return
+        if depth == 0 or o is None or isinstance(o, (str, bytes, int, float, bool)):
+            return
+        if isinstance(o, (tuple, list)):
+            for part in o:
+                visit(part, depth - 1)
+            return
+        parts: list[Any] = []
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            parts += [getattr(o, f.name) for f in dataclasses.fields(o)]
+        parts += [cell.cell_contents for cell in getattr(o, "__closure__", None) or ()]
+        parts += list(getattr(o, "__defaults__", None) or ())
+        parts += [getattr(o, n, None) for n in ("value", "func", "args", "__self__")]
+        keywords = getattr(o, "keywords", None)
+        parts += list(keywords.values()) if isinstance(keywords, dict) else []
+        for part in parts:
+            if part is not o:
+                visit(part, depth - 1)
+
+    visit(obj, depth)
+    return found
 
 
 def _mods_hold(
     p: Problem, autodiff_array: Callable[[Any], bool], handled: tuple[Any, ...] = ()
 ) -> bool:
     """Whether a mask, bias or score function of ``p`` holds an array that autodiff
-    follows (``autodiff_array``: a JAX tracer, a torch tensor that requires grad): in the
-    data of a ready-made one, or in the closure, defaults or partial arguments of a
-    function (a few levels deep). A ``jax.custom_vjp`` cannot close over a tracer, and a
-    ``torch.autograd.Function`` would not pass a gradient to such a tensor. The arrays in
-    ``handled`` (the functions' declared parameters, inputs of the wrappers) do not count."""
+    follows (``autodiff_array``: a JAX tracer, a torch tensor that requires grad;
+    :func:`_held_arrays`) that is not in ``handled`` (the functions' declared parameters,
+    inputs of the wrappers). A ``jax.custom_vjp`` cannot close over a tracer, and a
+    ``torch.autograd.Function`` would not pass a gradient to such a tensor."""
+    return any(
+        not any(a is h for h in handled)
+        for f in (p.mask_mod, p.bias_mod, p.score_mod)
+        for a in _held_arrays(f, autodiff_array)
+    )
 
-    def holds(obj: Any, depth: int) -> bool:
-        if any(obj is a for a in handled):
-            return False
-        if autodiff_array(obj):
-            return True
-        if depth == 0 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
-            return False
-        if isinstance(obj, (tuple, list)):
-            return any(holds(o, depth - 1) for o in obj)
-        parts: list[Any] = []
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            parts += [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-        parts += [cell.cell_contents for cell in getattr(obj, "__closure__", None) or ()]
-        parts += list(getattr(obj, "__defaults__", None) or ())
-        parts += [getattr(obj, n, None) for n in ("value", "func", "args", "__self__")]
-        keywords = getattr(obj, "keywords", None)
-        parts += list(keywords.values()) if isinstance(keywords, dict) else []
-        return any(holds(o, depth - 1) for o in parts if o is not obj)
 
-    return any(holds(f, 4) for f in (p.mask_mod, p.bias_mod, p.score_mod))
+def _with_captured(p: Problem, autodiff_array: Callable[[Any], bool]) -> Problem:
+    """``p`` whose ``score_mod`` and ``bias_mod`` of the caller's that declare no
+    parameters but capture floating arrays autodiff follows declare those as their
+    parameters (:class:`_CapturedTorch`, :class:`_CapturedJax`); ``p`` itself where none
+    does. The autograd wrappers then take those arrays as inputs, like the ready-made
+    functions' parameters, and the backward kernels give their gradients tile by tile."""
+    changes: dict[str, Any] = {}
+    for name in ("score_mod", "bias_mod"):
+        mod = getattr(p, name)
+        if mod is None or has_parameters(mod):
+            continue
+        slope = getattr(mod, "derivative", None) if name == "score_mod" else None
+        if namespace_name(p.xp) == "torch":
+            captured = _held_arrays(mod, autodiff_array)
+            floating = all(p.xp.isdtype(a.dtype, "real floating") for a in captured)
+            if captured and floating and not any(_functorch_wrapped(a) for a in captured):
+                changes[name] = _CapturedTorch(mod, tuple(captured), slope)
+        else:
+            captured = _jax_captured(p, name, (mod, slope))
+            if captured:
+                changes[name] = _CapturedJax(mod, captured, slope)
+    return dataclasses.replace(p, **changes) if changes else p
+
+
+def _functorch_wrapped(a: Any) -> bool:
+    """Whether ``a`` is a tensor of a ``torch.func`` transform (which the
+    ``torch.autograd.Function`` sees unwrapped level by level, while a closure keeps it)."""
+    import torch
+
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(a))
+
+
+def _jax_captured(p: Problem, name: str, functions: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The values that ``jax.closure_convert`` hoists out of ``functions`` (a function and
+    its ``derivative``, or ``None``) called on a one-element tile: the tracers their values
+    may depend on, each once."""
+    import jax
+
+    seq = p.sequence_batch
+    heads = p.kernel_batch[len(seq) :]
+    probe = index_grid(p.xp, p.device, (1,) * len(seq), (1,) * len(heads), slice(0, 1), slice(0, 1))
+    if name == "score_mod":
+        shape = (1,) * (len(p.kernel_batch) + 2)
+        probe = (p.xp.zeros(shape, dtype=p.compute_dtype, device=p.device), *probe)
+    captured: list[Any] = []
+    for f in functions:
+        if f is not None:
+            for c in jax.closure_convert(f, *probe)[1]:
+                if not any(c is a for a in captured):
+                    captured.append(c)
+    return tuple(captured)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Captured:
+    """A caller's bias or score function whose captured arrays are its declared
+    parameters (the protocol of :mod:`~sdpa_array._problem.mod_parameters`).
+
+    ``parameter_cotangents`` evaluates the function again on the tile and has the
+    library's autodiff take the cotangent back to the captured arrays, so that memory
+    stays that of a tile.
+
+    Attributes
+    ----------
+    mod : callable
+        The caller's function.
+    captured : tuple of array
+        The arrays it captures that autodiff follows.
+    slope : callable or None
+        A score function's ``derivative`` method, where it has one.
+    """
+
+    mod: Callable[..., Any]
+    captured: tuple[Any, ...]
+    slope: Callable[..., Any] | None = None
+
+    def __repr__(self) -> str:
+        return getattr(self.mod, "__qualname__", None) or repr(self.mod)
+
+    @property
+    def parameters(self) -> tuple[Any, ...]:
+        return self.captured
+
+    @property
+    def derivative(self) -> Callable[..., Any] | None:
+        return self.slope
+
+    def __call__(self, *args: Any) -> Any:
+        return self.mod(*args)
+
+
+class _CapturedTorch(_Captured):
+    """:class:`_Captured` under torch: the function is kept as it is (it closes over the
+    tensors themselves); their gradients come from ``torch.autograd.grad`` of its values
+    on each tile."""
+
+    def parameter_cotangents(self, cotangent: Any, *args: Any) -> tuple[Any, ...]:
+        """``sum(cotangent * d values / d a)`` for each captured tensor ``a``, in the
+        cotangent's dtype; differentiable where a graph is being built (double backward)."""
+        import torch
+
+        create_graph = torch.is_grad_enabled()
+        with torch.enable_grad():
+            values = self.mod(*args)
+            grads: tuple[Any, ...] = (None,) * len(self.captured)
+            if values.requires_grad:
+                values = values.to(cotangent.dtype).expand(cotangent.shape)
+                grads = torch.autograd.grad(
+                    values,
+                    self.captured,
+                    grad_outputs=cotangent,
+                    allow_unused=True,
+                    create_graph=create_graph,
+                )
+        return tuple(
+            torch.zeros(a.shape, dtype=cotangent.dtype, device=cotangent.device)
+            if g is None
+            else g.to(cotangent.dtype)
+            for g, a in zip(grads, self.captured, strict=True)
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _CapturedJax(_Captured):
+    """:class:`_Captured` under JAX: the captured tracers may be other arrays
+    (``given``, from :meth:`with_parameters`: the ``jax.custom_vjp``'s own inputs). Each
+    call converts the function for its arguments' shapes with ``jax.closure_convert`` and
+    evaluates it with ``given`` in place of the captured tracers, so the tracers of the
+    caller's trace are never used inside the ``custom_vjp``."""
+
+    given: tuple[Any, ...] = ()
+
+    @property
+    def parameters(self) -> tuple[Any, ...]:
+        return self.given or self.captured
+
+    @property
+    def derivative(self) -> Callable[..., Any] | None:
+        slope = self.slope
+        return None if slope is None else functools.partial(self._evaluate, slope, self.given)
+
+    def with_parameters(self, *arrays: Any) -> _CapturedJax:
+        """The same function, evaluated with ``arrays`` in place of the captured ones."""
+        return dataclasses.replace(self, given=arrays)
+
+    def _evaluate(self, f: Callable[..., Any], given: tuple[Any, ...], *args: Any) -> Any:
+        """``f(*args)`` with ``given`` in place of the captured tracers (none: ``f``
+        itself)."""
+        if not given:
+            return f(*args)
+        import jax
+
+        converted, consts = jax.closure_convert(f, *args)
+        stand_ins = []
+        for c in consts:
+            at = [i for i, a in enumerate(self.captured) if c is a]
+            stand_ins.append(given[at[0]] if at else c)
+        return converted(*args, *stand_ins)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._evaluate(self.mod, self.given, *args)
+
+    def parameter_cotangents(self, cotangent: Any, *args: Any) -> tuple[Any, ...]:
+        """``sum(cotangent * d values / d a)`` for each parameter ``a`` (``jax.vjp`` of the
+        function's values on the tile), in the cotangent's dtype."""
+        import jax
+        import jax.numpy as jnp
+
+        def values(*params: Any) -> Any:
+            v = self._evaluate(self.mod, params, *args)
+            return jnp.broadcast_to(v.astype(cotangent.dtype), cotangent.shape)
+
+        _, pullback = jax.vjp(values, *self.parameters)
+        return tuple(g.astype(cotangent.dtype) for g in pullback(cotangent))
 
 
 def _with_arrays(p: Problem, arrays: tuple[Array, ...]) -> Problem:
@@ -395,18 +594,23 @@ def _torch_forward(
 
 
 def _jax_forward(
-    choice: Choice, p: Problem, x: Inputs, outputs: Outputs, params: tuple[Any, ...] = ()
+    choice: Choice,
+    p: Problem,
+    trained_p: Problem,
+    x: Inputs,
+    outputs: Outputs,
+    params: tuple[Any, ...] = (),
 ) -> AttentionResult:
+    """The ``jax.custom_vjp`` of ``choice`` on ``trained_p`` (``p`` whose functions declare
+    their captured tracers, :func:`_with_captured`), whose parameters are ``params``; ``p``
+    itself for the materialized fallback under forward mode."""
     import jax
 
     maxima = outputs.max_scores
-
-    if _mods_hold(p, _jax_tracer, params):
-        return _materialized_instead(choice, p, x, outputs)
-    arrays = _problem_arrays(p)
+    arrays = _problem_arrays(trained_p)
 
     def problem(scale: Any, trained: tuple[Any, ...], held: tuple[Any, ...]) -> Problem:
-        return _with_arrays(_with_parameters(_with_scale(p, scale), trained), held)
+        return _with_arrays(_with_parameters(_with_scale(trained_p, scale), trained), held)
 
     @jax.custom_vjp
     def attention(
