@@ -28,13 +28,23 @@ log-sum-exp nor the kernel's backward.
   materialized one instead (JAX differentiates it in both modes); an explicit
   ``implementation="blocked"`` raises a ``TypeError`` that says so.
 
-A call whose ``mask_mod``/``bias_mod``/``score_mod`` closes over arrays autodiff follows (JAX
-tracers, torch tensors that require grad) cannot go through either wrapper, which takes
-only the call's own arrays: ``"auto"`` runs the materialized implementation instead, which
-the library differentiates whole (a score function's captured values then get their
-gradients), and an explicit blocked choice raises a ``TypeError``. The arrays of the
-problem itself (lengths, segment ids, a seed array) are passed to the JAX wrapper as
-arguments.
+Trainable data of the bias and score functions are inputs of both wrappers, whose backward
+passes return their gradients (:mod:`~sdpa_array._problem.mod_parameters`): the parameters
+the ready-made functions declare, and the floating arrays autodiff follows (torch tensors
+that require grad, JAX tracers) that a ``bias_mod`` or ``score_mod`` of the caller's
+captures (a relative-position table, a temperature). :func:`_with_captured` makes such a
+function declare them: under torch the tensors its closure, defaults, partial arguments or
+dataclass fields hold (:func:`_held_arrays`), under JAX the values ``jax.closure_convert``
+hoists out of it. The backward kernels then evaluate the function again on each tile and
+have the library's autodiff take the tile's score gradient back to those arrays
+(``torch.autograd.grad``; ``jax.vjp`` of the function closure-converted for the tile, with
+the ``custom_vjp``'s inputs in place of the caller's tracers), summing the parts: memory
+stays ``O(block)``. Arrays that autodiff follows and no wrapper takes (a ``mask_mod``'s, a
+function's beside declared parameters, JAX integer tracers, tensors of a ``torch.func``
+transform, :func:`_mods_hold`) still send ``"auto"`` to the materialized implementation,
+which the library differentiates whole, and make an explicit blocked choice raise a
+``TypeError``. The arrays of the problem itself (lengths, segment ids, a seed array) are
+passed to the JAX wrapper as arguments.
 
 Both wrappers take ``sinks`` like ``bias`` (a differentiable input, ``None`` when absent);
 dropout needs nothing saved, since the backward kernel regenerates its keep mask from the
@@ -208,12 +218,13 @@ def _materialized_instead(
     integer tracer). ``TypeError`` for an explicit choice."""
     if not choice.automatic:
         raise TypeError(
-            f"implementation={choice.name!r} cannot differentiate this call: its mask_mod, "
-            "or a bias_mod or score_mod that also declares parameters, closes over traced "
-            "arrays or tensors that require grad that its autodiff wrapper cannot take as "
-            "inputs (a bias_mod's or score_mod's own captured floating arrays it takes): "
-            "pass such data as constants, or use implementation='materialized' (or "
-            "'auto', which then runs it)"
+            f"implementation={choice.name!r} cannot differentiate this call: a mask_mod, "
+            "bias_mod or score_mod holds traced arrays or tensors that require grad that "
+            "its autodiff wrapper cannot take as inputs (it takes the floating arrays a "
+            "bias_mod or score_mod captures, but not a mask_mod's, nor those beside "
+            "declared parameters, nor tensors of a torch.func transform): pass such data "
+            "as constants, or use implementation='materialized' (or 'auto', which then "
+            "runs it)"
         )
     return Choice("materialized", automatic=True).forward(p, x, outputs)
 
