@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -91,18 +92,18 @@ def forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> Attentio
 def _forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> AttentionResult:
     if not outputs.weights:
         library = namespace_name(p.xp)
-        if library == "torch":
-            trained = _with_captured(p, _torch_trainable)
+        if library == "torch" and _torch_grad_enabled():
+            trained, unexplained = _with_captured(p, _torch_trainable)
             params = _trainable_parameters(trained, _torch_trainable)
-            held = _mods_hold(trained, _torch_trainable, params)
-            if _torch_grad_enabled() and (_torch_needs_grad(x) or params or held):
+            held = unexplained or _mods_hold(trained, _torch_trainable, params)
+            if _torch_needs_grad(x) or params or held:
                 backward = _torch_backward_choice(choice, p, x, outputs.lse)
                 if backward is not None and held:
                     return _materialized_instead(choice, p, x, outputs)
                 if backward is not None:
                     return _torch_forward(choice, backward, trained, x, outputs, params)
         if library == "jax" and choice.row.own_autograd:
-            trained = _with_captured(p, _jax_tracer)
+            trained, _ = _with_captured(p, _jax_tracer)
             params = _trainable_parameters(trained, _jax_tracer, rebuilt=True)
             if _mods_hold(trained, _jax_tracer, params):
                 return _materialized_instead(choice, p, x, outputs)
@@ -218,21 +219,22 @@ def _materialized_instead(
     integer tracer). ``TypeError`` for an explicit choice."""
     if not choice.automatic:
         raise TypeError(
-            f"implementation={choice.name!r} cannot differentiate this call: a mask_mod, "
-            "bias_mod or score_mod holds traced arrays or tensors that require grad that "
-            "its autodiff wrapper cannot take as inputs (it takes the floating arrays a "
-            "bias_mod or score_mod captures, but not a mask_mod's, nor those beside "
-            "declared parameters, nor tensors of a torch.func transform): pass such data "
-            "as constants, or use implementation='materialized' (or 'auto', which then "
-            "runs it)"
+            f"implementation={choice.name!r} cannot differentiate this call: its mask_mod, "
+            "bias_mod or score_mod depends on traced arrays or tensors that require grad "
+            "that its autodiff wrapper cannot take as inputs (it takes those a bias_mod or "
+            "score_mod declares, or holds in its closure, defaults, partial arguments, "
+            "dataclass fields or globals; not a mask_mod's, nor tensors of a torch.func "
+            "transform): pass such data as constants, or use "
+            "implementation='materialized' (or 'auto', which then runs it)"
         )
     return Choice("materialized", automatic=True).forward(p, x, outputs)
 
 
 def _held_arrays(obj: Any, autodiff_array: Callable[[Any], bool], depth: int = 4) -> list[Any]:
     """The arrays autodiff follows (``autodiff_array``) that ``obj`` holds: itself, or in
-    the fields of a dataclass, the closure, defaults or partial arguments of a function, a
-    bound method's object, tuples and lists, ``depth`` levels deep; each once."""
+    the fields of a dataclass, the closure, defaults, partial arguments or the globals a
+    function names, a bound method's object, tuples and lists, ``depth`` levels deep; each
+    once."""
     found: list[Any] = []
 
     def visit(o: Any, depth: int) -> None:
@@ -241,6 +243,8 @@ def _held_arrays(obj: Any, autodiff_array: Callable[[Any], bool], depth: int = 4
                 found.append(o)
             return
         if depth == 0 or o is None or isinstance(o, (str, bytes, int, float, bool)):
+            return
+        if isinstance(o, (types.ModuleType, type)):
             return
         if isinstance(o, (tuple, list)):
             for part in o:
@@ -251,6 +255,9 @@ def _held_arrays(obj: Any, autodiff_array: Callable[[Any], bool], depth: int = 4
             parts += [getattr(o, f.name) for f in dataclasses.fields(o)]
         parts += [cell.cell_contents for cell in getattr(o, "__closure__", None) or ()]
         parts += list(getattr(o, "__defaults__", None) or ())
+        code, names = getattr(o, "__code__", None), getattr(o, "__globals__", None)
+        if isinstance(names, dict) and code is not None:
+            parts += [names[n] for n in code.co_names if n in names]
         parts += [getattr(o, n, None) for n in ("value", "func", "args", "__self__")]
         keywords = getattr(o, "keywords", None)
         parts += list(keywords.values()) if isinstance(keywords, dict) else []
@@ -277,28 +284,78 @@ def _mods_hold(
     )
 
 
-def _with_captured(p: Problem, autodiff_array: Callable[[Any], bool]) -> Problem:
+def _with_captured(p: Problem, autodiff_array: Callable[[Any], bool]) -> tuple[Problem, bool]:
     """``p`` whose ``score_mod`` and ``bias_mod`` of the caller's that declare no
     parameters but capture floating arrays autodiff follows declare those as their
-    parameters (:class:`_CapturedTorch`, :class:`_CapturedJax`); ``p`` itself where none
-    does. The autograd wrappers then take those arrays as inputs, like the ready-made
-    functions' parameters, and the backward kernels give their gradients tile by tile."""
+    parameters (:class:`_CapturedTorch`, :class:`_CapturedJax`; ``p`` itself where none
+    does), and whether a function's values depend on torch tensors that require grad
+    that it does not declare then (found neither by :func:`_held_arrays` nor among its
+    parameters: no wrapper could pass them a gradient). The autograd wrappers take the
+    declared arrays as inputs, like the ready-made functions' parameters, and the backward
+    kernels give their gradients tile by tile."""
     changes: dict[str, Any] = {}
+    unexplained = False
     for name in ("score_mod", "bias_mod"):
         mod = getattr(p, name)
-        if mod is None or has_parameters(mod):
+        if mod is None:
             continue
         slope = getattr(mod, "derivative", None) if name == "score_mod" else None
         if namespace_name(p.xp) == "torch":
-            captured = _held_arrays(mod, autodiff_array)
+            captured = [] if has_parameters(mod) else _held_arrays(mod, autodiff_array)
             floating = all(p.xp.isdtype(a.dtype, "real floating") for a in captured)
-            if captured and floating and not any(_functorch_wrapped(a) for a in captured):
-                changes[name] = _CapturedTorch(mod, tuple(captured), slope)
-        else:
-            captured = _jax_captured(p, name, (mod, slope))
-            if captured:
-                changes[name] = _CapturedJax(mod, captured, slope)
-    return dataclasses.replace(p, **changes) if changes else p
+            if floating and not any(_functorch_wrapped(a) for a in captured):
+                declared = tuple(captured) or declared_parameters(mod, None)
+                if _torch_depends_on_others(mod, _probe(p, name), declared):
+                    unexplained = True
+                elif captured:
+                    changes[name] = _CapturedTorch(mod, tuple(captured), slope)
+        elif not has_parameters(mod):
+            captured_jax = _jax_captured(mod, slope, _probe(p, name))
+            if captured_jax:
+                changes[name] = _CapturedJax(mod, captured_jax, slope)
+    return (dataclasses.replace(p, **changes) if changes else p), unexplained
+
+
+def _probe(p: Problem, name: str) -> tuple[Array, ...]:
+    """Arguments of ``name`` (``"score_mod"`` or ``"bias_mod"``) for a one-element tile:
+    the index arrays (and a zero score)."""
+    seq = p.sequence_batch
+    heads = p.kernel_batch[len(seq) :]
+    probe = index_grid(p.xp, p.device, (1,) * len(seq), (1,) * len(heads), slice(0, 1), slice(0, 1))
+    if name != "score_mod":
+        return probe
+    shape = (1,) * (len(p.kernel_batch) + 2)
+    return (p.xp.zeros(shape, dtype=p.compute_dtype, device=p.device), *probe)
+
+
+def _torch_depends_on_others(
+    mod: Callable[..., Any], probe: tuple[Array, ...], declared: tuple[Any, ...]
+) -> bool:
+    """Whether ``mod``'s values on ``probe``, computed with grad enabled, depend on a
+    tensor that requires grad other than ``declared`` (its autograd graph reaches a leaf
+    before a declared tensor)."""
+    import torch
+
+    with torch.enable_grad():
+        values = mod(*probe)
+    if not isinstance(values, torch.Tensor) or values.grad_fn is None:
+        return False
+    stops = {id(a.grad_fn) for a in declared if a.grad_fn is not None}
+    leaves = {id(a) for a in declared if a.grad_fn is None}
+    seen: set[int] = set()
+    nodes = [values.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or id(node) in seen or id(node) in stops:
+            continue
+        seen.add(id(node))
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node
+        if leaf is not None:
+            if id(leaf) not in leaves:
+                return True
+            continue
+        nodes.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def _functorch_wrapped(a: Any) -> bool:
@@ -309,20 +366,14 @@ def _functorch_wrapped(a: Any) -> bool:
     return bool(torch._C._functorch.is_functorch_wrapped_tensor(a))
 
 
-def _jax_captured(p: Problem, name: str, functions: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The values that ``jax.closure_convert`` hoists out of ``functions`` (a function and
-    its ``derivative``, or ``None``) called on a one-element tile: the tracers their values
-    may depend on, each once."""
+def _jax_captured(mod: Any, slope: Any, probe: tuple[Array, ...]) -> tuple[Any, ...]:
+    """The values that ``jax.closure_convert`` hoists out of ``mod`` and its derivative
+    ``slope`` (or ``None``) called on ``probe``: the tracers their values may depend on,
+    each once."""
     import jax
 
-    seq = p.sequence_batch
-    heads = p.kernel_batch[len(seq) :]
-    probe = index_grid(p.xp, p.device, (1,) * len(seq), (1,) * len(heads), slice(0, 1), slice(0, 1))
-    if name == "score_mod":
-        shape = (1,) * (len(p.kernel_batch) + 2)
-        probe = (p.xp.zeros(shape, dtype=p.compute_dtype, device=p.device), *probe)
     captured: list[Any] = []
-    for f in functions:
+    for f in (mod, slope):
         if f is not None:
             for c in jax.closure_convert(f, *probe)[1]:
                 if not any(c is a for a in captured):
