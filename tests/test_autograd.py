@@ -638,12 +638,16 @@ def test_torch_captured_tensors_found_in_globals_or_not_found(torch_backend, mon
     namespace = {"table": table.requires_grad_(True), "CS": CS}
     exec("def bias_mod(b, h, i, j):\n    return table[h, i - j + CS - 1]", namespace)
     ran = _implementations_run(monkeypatch)
-    sdpa_array.scaled_dot_product_attention(
-        q, k, v, bias_mod=namespace["bias_mod"], score_mod=_own_mods(table, temperature)[1],
-        implementation="auto", block_q=3,
-    ).backward(g)  # fmt: skip
+    out = sdpa_array.scaled_dot_product_attention(
+        q.requires_grad_(True), k, v, bias_mod=namespace["bias_mod"],
+        score_mod=_own_mods(table, temperature)[1], implementation="auto", block_q=3,
+    )  # fmt: skip
     assert ran == ["blocked"]
+    assert type(out.grad_fn).__name__ == f"{_autograd._torch_function().__name__}Backward"
+    out.backward(g)
     assert_within(table.grad, expected[3], bounds[3], "dtable")
+    assert_within(q.grad, expected[0], bounds[0], "dq")
+    q = q.detach()
 
     class Bias:
         def __init__(self, t):
