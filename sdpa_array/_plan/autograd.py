@@ -343,7 +343,7 @@ def _torch_depends_on_others(
     stops = {id(a.grad_fn) for a in declared if a.grad_fn is not None}
     leaves = {id(a) for a in declared if a.grad_fn is None}
     seen: set[int] = set()
-    nodes = [values.grad_fn]
+    nodes: list[Any] = [values.grad_fn]
     while nodes:
         node = nodes.pop()
         if node is None or id(node) in seen or id(node) in stops:
