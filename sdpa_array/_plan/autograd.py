@@ -33,18 +33,20 @@ passes return their gradients (:mod:`~sdpa_array._problem.mod_parameters`): the 
 the ready-made functions declare, and the floating arrays autodiff follows (torch tensors
 that require grad, JAX tracers) that a ``bias_mod`` or ``score_mod`` of the caller's
 captures (a relative-position table, a temperature). :func:`_with_captured` makes such a
-function declare them: under torch the tensors its closure, defaults, partial arguments or
-dataclass fields hold (:func:`_held_arrays`), under JAX the values ``jax.closure_convert``
-hoists out of it. The backward kernels then evaluate the function again on each tile and
-have the library's autodiff take the tile's score gradient back to those arrays
-(``torch.autograd.grad``; ``jax.vjp`` of the function closure-converted for the tile, with
-the ``custom_vjp``'s inputs in place of the caller's tracers), summing the parts: memory
-stays ``O(block)``. Arrays that autodiff follows and no wrapper takes (a ``mask_mod``'s, a
-function's beside declared parameters, JAX integer tracers, tensors of a ``torch.func``
-transform, :func:`_mods_hold`) still send ``"auto"`` to the materialized implementation,
-which the library differentiates whole, and make an explicit blocked choice raise a
-``TypeError``. The arrays of the problem itself (lengths, segment ids, a seed array) are
-passed to the JAX wrapper as arguments.
+function declare them: under torch the tensors its closure, defaults, partial arguments,
+dataclass fields or the globals it names hold (:func:`_held_arrays`; its values on one
+element show whether it depends on any other tensor that requires grad), under JAX the
+values ``jax.closure_convert`` hoists out of it. The backward kernels then evaluate the
+function again on each tile and have the library's autodiff take the tile's score gradient
+back to those arrays (``torch.autograd.grad``; ``jax.vjp`` of the function
+closure-converted for the tile, with the ``custom_vjp``'s inputs in place of the caller's
+tracers), summing the parts: memory stays ``O(block)``. Arrays that autodiff follows and
+no wrapper takes (a ``mask_mod``'s, a function's beside declared parameters, JAX integer
+tracers, tensors of a ``torch.func`` transform, tensors a function reaches otherwise:
+:func:`_mods_hold`, :func:`_with_captured`) still send ``"auto"`` to the materialized
+implementation, which the library differentiates whole, and make an explicit blocked
+choice raise a ``TypeError``. The arrays of the problem itself (lengths, segment ids, a
+seed array) are passed to the JAX wrapper as arguments.
 
 Both wrappers take ``sinks`` like ``bias`` (a differentiable input, ``None`` when absent);
 dropout needs nothing saved, since the backward kernel regenerates its keep mask from the
@@ -103,7 +105,9 @@ def _forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> Attenti
                 if backward is not None:
                     return _torch_forward(choice, backward, trained, x, outputs, params)
         if library == "jax" and choice.row.own_autograd:
-            trained, _ = _with_captured(p, _jax_tracer)
+            trained = p  # nothing traced: nothing to hoist (jax.closure_convert caches)
+            if _jax_traced(x) or _mods_hold(p, _jax_tracer):
+                trained, _ = _with_captured(p, _jax_tracer)
             params = _trainable_parameters(trained, _jax_tracer, rebuilt=True)
             if _mods_hold(trained, _jax_tracer, params):
                 return _materialized_instead(choice, p, x, outputs)
@@ -340,8 +344,9 @@ def _torch_depends_on_others(
         values = mod(*probe)
     if not isinstance(values, torch.Tensor) or values.grad_fn is None:
         return False
-    stops = {id(a.grad_fn) for a in declared if a.grad_fn is not None}
-    leaves = {id(a) for a in declared if a.grad_fn is None}
+    nodes_of = [getattr(a, "grad_fn", None) for a in declared]  # arrays of other libraries
+    stops = {id(node) for node in nodes_of if node is not None}
+    leaves = {id(a) for a, node in zip(declared, nodes_of, strict=True) if node is None}
     seen: set[int] = set()
     nodes: list[Any] = [values.grad_fn]
     while nodes:
