@@ -12,7 +12,7 @@ table, a temperature per head, and a temperature beside ALiBi's slopes.
   gradient on every path: through the autograd wrappers of the blocked kernel (which take
   the table as an input) and through the library's autodiff of the materialized one; a
   table captured by a function of the caller's (no declared parameters) gets its gradient
-  through the materialized path (it silently got none before);
+  (on the blocked path too: tests/test_autograd.py);
 * the sums by head and bucket in blocks of rows equal the sums in one block;
 * bad input: no trainable function, a bias or score function without parameters,
   parameters of another library, a flag that is not a bool.
@@ -387,9 +387,9 @@ def test_declared_parameters_without_with_parameters_under_saved_tensor_hooks(to
 
 def test_a_captured_table_of_the_callers_gets_its_gradient(autograd_backend):
     """A bias function of the caller's closing over a trainable table (no declared
-    parameters): the library's autodiff of the materialized path gives it its gradient,
-    the oracle's derivation being that of the same table in ``relative_position_bias``
-    with one bucket per relative position."""
+    parameters) gets its gradient, through "auto" (the materialized path at these sizes)
+    and "blocked" (which takes the table as an input); the oracle's derivation is that of
+    the same table in ``relative_position_bias``."""
     backend = autograd_backend
     q, k, v, g = (backend.asarray(a, "float64") for a in _arrays(seed=2))
     table = _parameter("t5")
@@ -410,24 +410,27 @@ def test_a_captured_table_of_the_callers_gets_its_gradient(autograd_backend):
         bias_mod=buckets, is_causal=True, return_mod_gradients=True,
     )[-1]  # fmt: skip
     np.testing.assert_allclose(reference.to_numpy(expected), reference_grad, rtol=0, atol=1e-12)
-    if backend.library == "torch":
-        t = backend.asarray(table, "float64").requires_grad_(True)
-        out = sdpa_array.scaled_dot_product_attention(
-            q, k, v, bias_mod=by_bucket(t), is_causal=True
-        )
-        (out * g).sum().backward()
-        got = t.grad
-    else:
-        import jax
-
-        def loss(t):
+    for run in ({}, {"implementation": "blocked", "block_q": 4}):
+        if backend.library == "torch":
+            t = backend.asarray(table, "float64").requires_grad_(True)
             out = sdpa_array.scaled_dot_product_attention(
-                q, k, v, bias_mod=by_bucket(t), is_causal=True
+                q, k, v, bias_mod=by_bucket(t), is_causal=True, **run
             )
-            return (out * g).sum()
+            (out * g).sum().backward()
+            got = t.grad
+        else:
+            import jax
 
-        got = jax.jit(jax.grad(loss))(backend.asarray(table, "float64"))
-    np.testing.assert_allclose(reference.to_numpy(got), reference_grad, rtol=0, atol=1e-12)
+            def loss(t, run=run):
+                out = sdpa_array.scaled_dot_product_attention(
+                    q, k, v, bias_mod=by_bucket(t), is_causal=True, **run
+                )
+                return (out * g).sum()
+
+            got = jax.jit(jax.grad(loss))(backend.asarray(table, "float64"))
+        np.testing.assert_allclose(
+            reference.to_numpy(got), reference_grad, rtol=0, atol=1e-12, err_msg=str(run)
+        )
 
 
 def test_sums_in_blocks_of_rows_equal_one_block(monkeypatch):

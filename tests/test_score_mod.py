@@ -22,7 +22,7 @@ import sdpa_array
 from sdpa_array import mods, reference
 from sdpa_array._arrays.compat import array_namespace
 from sdpa_array.testing import assert_close_to_oracle, assert_vjp_close_to_oracle
-from tests.helpers import KV, Q_GQA, Q
+from tests.helpers import KV, Q_GQA, Q, assert_within, vjp_oracle_and_bounds
 from tests.paths import FeatureCase, check_on_path, random_normal
 
 #: JAX compiles every new shape and Dask builds a graph per call: on them these cases run in
@@ -343,9 +343,10 @@ def test_traced_data_in_mods_under_jax_grad(jax_backend):
     being trained): the ready-made ones declare them as parameters, so every path
     differentiates them (the blocked kernel's ``jax.custom_vjp`` takes them as inputs)
     against the oracle. A function of the caller's closing over a tracer, with nothing
-    declared: ``"auto"`` differentiates it through the materialized path, and
-    ``"blocked"``, whose ``jax.custom_vjp`` cannot take it, refuses with a ``TypeError``
-    that says what to do."""
+    declared: its tracer is hoisted out (``jax.closure_convert``) and becomes an input of
+    the blocked kernel's ``jax.custom_vjp`` too, on ``"auto"`` and ``"blocked"``; the
+    gradients of q, k, v and of the tracer against the oracle (``s * 0.5`` is
+    ``temperature(2)`` on every head, whose gradient is ``-4`` times that of ``0.5``)."""
     import jax
     import jax.numpy as jnp
 
@@ -377,13 +378,21 @@ def test_traced_data_in_mods_under_jax_grad(jax_backend):
             )
             return jnp.sum(out * g)
 
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, jnp.asarray(0.75))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, jnp.asarray(0.5))
 
-    expected = own_gradients("materialized")
-    for a, b in zip(own_gradients("auto", block_q=2), expected, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(TypeError, match="closes over traced arrays"):
-        own_gradients("blocked", block_q=2)
+    arrays64 = [np.asarray(a, dtype=np.float64) for a in (q, k, v, g)]
+    expected, bounds = vjp_oracle_and_bounds(
+        "float32", *arrays64, score_mod=mods.temperature(np.full(3, 2.0)),
+        return_mod_gradients=True,
+    )  # fmt: skip
+    # d / dw of s * w at w = 1/2 is -4 times the sum over the heads of d / dt of s / t at 2
+    d_w, bound_w = -4.0 * np.sum(expected[3]), 4.0 * np.sum(bounds[3])
+    bound_w += 8 * 2.0**-24 * 4.0 * np.sum(np.abs(expected[3]))  # the sum's roundings
+    for run in ({"implementation": "auto", "block_q": 2}, {"implementation": "blocked"}):
+        got = own_gradients(**run)
+        for name, x, e, b in zip(("dq", "dk", "dv"), got, expected, bounds, strict=False):
+            assert_within(x, e, b, f"{name} {run}")
+        assert abs(float(got[3]) - d_w) <= bound_w, (run, float(got[3]), d_w, bound_w)
 
 
 def _oracle_temperature_gradient(q, k, v, g, t):
@@ -443,11 +452,17 @@ def test_captured_temperature_gets_its_gradient(autograd_backend):
         assert np.all(np.abs(got - expected) <= bound), (run, got, expected, bound)
     if autograd_backend.library == "torch":
         # a function of the caller's closing over the tensor declares nothing: the blocked
-        # kernel's wrapper could not pass it a gradient, so "blocked" refuses it
+        # kernel's wrapper takes the tensor as an input all the same
+        import torch
+
         xs = [x.clone().requires_grad_(True) for x in arrays[:3]]
-        w = torch.tensor(0.75, dtype=torch.float64, requires_grad=True)
-        own = mods.score_function(lambda s, b, h, i, j: s * w, lambda *_: w)
-        with pytest.raises(TypeError, match="require grad"):
-            sdpa_array.scaled_dot_product_attention(
-                *xs, score_mod=own, implementation="blocked", block_q=2
-            )
+        w = torch.tensor(t, requires_grad=True)
+        own = mods.score_function(
+            lambda s, b, h, i, j: s / w[h], lambda s, b, h, i, j: 1.0 / w[h] + 0.0 * s
+        )
+        out = sdpa_array.scaled_dot_product_attention(
+            *xs, score_mod=own, implementation="blocked", block_q=2
+        )
+        out.backward(arrays[3])
+        got = w.grad.numpy()
+        assert np.all(np.abs(got - expected) <= bound), (got, expected, bound)

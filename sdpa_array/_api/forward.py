@@ -252,9 +252,10 @@ def scaled_dot_product_attention(
         masks; ``-inf`` excludes), e.g. :func:`sdpa_array.mods.alibi`. Gradients reach the
         trainable arrays it declares as ``parameters`` (the ready-made ALiBi slopes and T5
         tables) on every path, under torch autograd and ``jax.grad``, and from
-        :func:`scaled_dot_product_attention_vjp` with ``return_mod_gradients=True``; arrays
-        it captures without declaring them get theirs from torch's or JAX's autodiff of the
-        materialized path, which ``"auto"`` then runs.
+        :func:`scaled_dot_product_attention_vjp` with ``return_mod_gradients=True``; floating
+        arrays it captures without declaring them (torch tensors that require grad, JAX
+        tracers) get theirs under torch autograd and ``jax.grad`` on every path, the
+        blocked one in ``O(block)`` memory.
     score_mod : callable, optional
         A score function ``score_mod(score, batch, head, q_idx, kv_idx) -> floating array``
         applied element-wise to the scaled scores ``scale · q·k`` (before ``softcap``,

@@ -19,7 +19,10 @@ that order.
 A third member, ``with_parameters(*arrays)`` (the same function holding other arrays),
 is what ``jax.grad`` through the blocked kernel (whose ``jax.custom_vjp`` rebuilds the
 function with its traced parameters) and the oracle (which forms the Jacobian from it)
-need; without it JAX differentiates the materialized path instead.
+need; without it JAX differentiates the materialized path instead. A function of the
+caller's that declares nothing but captures floating arrays that torch's or JAX's autodiff
+follows is given these members for them by :mod:`sdpa_array._plan.autograd`
+(``parameter_cotangents`` through the library's autodiff of the function on the tile).
 
 The backward kernels call the second tile by tile and add the parts: a bias function's
 with the tile's score gradient ``dZ`` (the bias is added to the scores, so ``dZ`` is its
