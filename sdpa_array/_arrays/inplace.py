@@ -36,7 +36,6 @@ __all__ = [
     "exp",
     "fillable",
     "multiply",
-    "raise_to",
     "subtract",
     "transposed_layout",
     "where_tile",
@@ -108,22 +107,6 @@ def add_rows(xp: ModuleType, x: Array, start: int, stop: int, y: Array) -> Array
         return x
     parts = [x[..., :start, :], x[..., start:stop, :] + y, x[..., stop:, :]]
     return xp.concat(parts, axis=-2)
-
-
-def raise_to(x: Array, y: Array) -> bool:
-    """Write ``maximum(x, y)`` into ``x`` (a view of the array to change, ``y``'s shape)
-    where the library writes through views (NumPy's ``out=``, torch's ``out=``); returns
-    whether it did (other libraries: nothing is written)."""
-    if tuple(x.shape) != tuple(y.shape) or not _writable(x, y):
-        return False
-    if is_numpy_array(x) and is_numpy_array(y):
-        np.maximum(x, y, out=x)
-        return True
-    if is_torch_array(x) and is_torch_array(y):
-        torch = sys.modules["torch"]
-        torch.maximum(x, y, out=x)
-        return True
-    return False
 
 
 def exp(xp: ModuleType, x: Array) -> Array:

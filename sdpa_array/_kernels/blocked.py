@@ -124,7 +124,7 @@ def _fixed_reference_tiles(
             e = fixed_weights(p, ops, q_rows, rows, cols, full=tile.full)
         else:
             s, scaled = fixed_scores_and_scaled(p, ops, q_rows, rows, cols)
-            best.add(a, b, scaled)
+            best.add(scaled)
             e = ops.terms.exp(xp, s)
             del s, scaled
         tile_total, tile_out = _tile_sums(p, ops, e, rows, cols)
@@ -146,48 +146,27 @@ def _fixed_reference_tiles(
 
 
 class _Maxima:
-    """The rows' largest scaled products over a query block's tiles, for the fixed
-    reference. A row reduction of each tile costs as much as the tile's exponentials on
-    NumPy (its rows are short), so where the library writes through views
-    (:func:`~sdpa_array._arrays.inplace.raise_to`) the tiles are first kept as one
-    elementwise maximum of the block's width (tiles at its left edge), reduced once at the
-    end; other tiles (and other libraries) each give their rows' maxima. The tiles' scaled
+    """The largest scaled product over a query block's tiles, for the fixed reference, per
+    batch element and head: one reduction of each whole tile (one read of it, nothing
+    written; a row reduction costs as much as the tile's exponentials on NumPy, whose rows
+    are short), given to every row of the block. The maximum scores are the maximum of the
+    rows' values (:func:`~.result.finalize`), which this leaves unchanged. The tiles' scaled
     products come in the scores' ``unit`` (``log2(e)`` in base 2), divided out at the end."""
 
     def __init__(self, p: Problem, n: int, unit: float) -> None:
         self.p, self.n, self.unit = p, n, unit
-        self.wide: Array = None  # (..., n, widest tile): elementwise maxima of the tiles
-        self.best: Array = None  # (..., n, 1): the rows' maxima of the other tiles
+        self.best: Array = None  # (..., 1, 1): the largest over the tiles so far
 
-    def add(self, a: int, b: int, scaled: Array) -> None:
-        """Take in the scaled products of a tile of the block's rows ``[a, b)``."""
-        xp, p = self.p.xp, self.p
-        lead, width = tuple(scaled.shape[:-2]), int(scaled.shape[-1])
-        if self.wide is None and a == 0 and b == self.n:
-            self.wide = xp.asarray(scaled, copy=True)
-            return
-        if (
-            self.wide is not None
-            and tuple(self.wide.shape[:-2]) == lead
-            and width <= int(self.wide.shape[-1])
-            and inplace.raise_to(self.wide[..., a:b, :width], scaled)
-        ):
-            return
-        tile_best = xp.max(scaled, axis=-1, keepdims=True)
-        if self.best is None:
-            shape = (*lead, self.n, 1)
-            self.best = xp.full(shape, -math.inf, dtype=p.compute_dtype, device=p.device)
-        larger = xp.maximum(self.best[..., a:b, :], tile_best)
-        self.best = xp.concat([self.best[..., :a, :], larger, self.best[..., b:, :]], axis=-2)
+    def add(self, scaled: Array) -> None:
+        """Take in the scaled products of a tile (``-inf`` where excluded)."""
+        xp = self.p.xp
+        tile = xp.max(scaled, axis=(-2, -1), keepdims=True)
+        self.best = tile if self.best is None else xp.maximum(self.best, tile)
 
     def rows(self) -> Array:
-        """The rows' maxima ``(..., n, 1)``, ``-inf`` where no tile reached a row."""
-        xp = self.p.xp
-        best = self.best
-        if self.wide is not None:
-            wide = xp.max(self.wide, axis=-1, keepdims=True)
-            best = wide if best is None else xp.maximum(best, wide)
-        return best if self.unit == 1.0 else best / self.unit
+        """The block's maximum for each of its rows, ``(..., n, 1)``."""
+        best = self.best if self.unit == 1.0 else self.best / self.unit
+        return self.p.xp.broadcast_to(best, (*tuple(best.shape[:-2]), self.n, 1))
 
 
 def _query_block(

@@ -40,9 +40,10 @@ class AttentionResult:
     lse : array or None
         ``(..., Hq, L)`` log-sum-exp of the final scores, when requested.
     row_maxima : array or None
-        ``(..., Hq, L)`` each query row's largest ``scale · q·k`` over its admissible keys
-        (``-inf`` where it has none), when the maximum scores are requested:
-        :func:`finalize` reduces them over the rows.
+        ``(..., Hq, L)``, when the maximum scores are requested: each query row's largest
+        ``scale · q·k`` over its admissible keys (``-inf`` where it has none), or that of
+        the rows of its query block (the blocked kernel's fixed reference): their maximum
+        over the rows is the same; :func:`finalize` reduces them over the rows.
     """
 
     out: Array
