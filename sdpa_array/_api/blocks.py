@@ -27,9 +27,7 @@ from .vjp import check_grad_output
 __all__ = ["block_band", "block_forward", "block_vjp"]
 
 
-def block_band(
-    options: Options, extent: tuple[int, int], rows: slice, cols: slice
-) -> Band:
+def block_band(options: Options, extent: tuple[int, int], rows: slice, cols: slice) -> Band:
     """The band of the block of queries ``rows`` and keys ``cols`` of a call of ``extent``
     ``(L, S)`` queries and keys: the whole call's restrictions, with the block's first
     query and key as 0 (``options`` validated already)."""
@@ -52,9 +50,7 @@ def block_is_empty(band: Band) -> bool:
     return lo >= hi
 
 
-def _problem(
-    query: Array, key: Array, value: Array, options: Options, band: Band
-) -> Problem:
+def _problem(query: Array, key: Array, value: Array, options: Options, band: Band) -> Problem:
     p = validate(query, key, value, options)
     if (p.L, p.S) != (band.L, band.S):
         raise ValueError(

@@ -164,15 +164,17 @@ def _torch_call(
         _check_local(query, key, value, options, sharding)
     except (TypeError, ValueError) as e:
         error = f"{type(e).__name__}: {e}"
-    summary = tuple(
+    arrays = [
         (tuple(a.shape), str(a.dtype), a.device.type) if hasattr(a, "shape") else repr(a)
         for a in (query, key, value)
-    ) + (repr(sharding), repr(options.is_causal), repr(options.window), repr(options.alignment),
-         repr(options.scale), repr(options.softcap), repr(options.enable_gqa))  # fmt: skip
+    ]
+    chosen = (sharding, *(getattr(options, n) for n in ("is_causal", "window", "alignment")))
+    summary = (*arrays, *map(repr, chosen), repr(options.scale), repr(options.softcap))
+    summary = (*summary, repr(options.enable_gqa))
     check_participants(comm, summary, error)
     lengths = (int(query.shape[-2]), int(key.shape[-2]))
     ring = Ring(options, comm.world_size, sharding, lengths, implementation)
-    return ring_function(ring, comm, query, key, value, stats)  # type: ignore[no-any-return]
+    return ring_function(ring, comm, query, key, value, stats)
 
 
 def _jax_call(

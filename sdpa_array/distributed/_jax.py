@@ -67,13 +67,13 @@ def jax_ring(ring: Ring, axis_name: Any, q: Any, k: Any, v: Any) -> tuple[Any, A
     perm = [(i, (i + 1) % P) for i in range(P)]
 
     def shift(tree: Any) -> Any:
-        return lax.ppermute(tree, axis_name, perm)
+        return lax.ppermute(tree, axis_name, perm)  # type: ignore[no-untyped-call]
 
     def forward(q: Any, k: Any, v: Any) -> tuple[Any, Any]:
         rank = lax.axis_index(axis_name)
-        compute = jnp.float32 if jnp.finfo(q.dtype).bits < 32 else q.dtype
+        compute = jnp.float32 if q.dtype.itemsize < 4 else q.dtype
         state = _varying(empty_state(ring, q, v, compute), axis_name)
-        held = (k, v)
+        held: Any = (k, v)
         for step in range(P):
             incoming = shift(held) if step < P - 1 else None
             branches = [partial(forward_step, ring, r, step) for r in range(P)]
@@ -94,7 +94,7 @@ def jax_ring(ring: Ring, axis_name: Any, q: Any, k: Any, v: Any) -> tuple[Any, A
         grad_out = cotangents[0]
         rank = lax.axis_index(axis_name)
         dq = _varying(zero_dq(ring, q), axis_name)
-        held = (k, v)
+        held: Any = (k, v)
         arriving = None
         for step in range(P):
             incoming = shift(held) if step < P - 1 else None

@@ -42,7 +42,9 @@ def _check_world(rank: Any, world_size: Any) -> tuple[int, int]:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
+        raise ValueError(
+            f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}"
+        )
     return rank, world_size
 
 
@@ -60,7 +62,7 @@ def _axis(x: Array, axis: int) -> int:
     axis = operator.index(axis)
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis {axis} is out of range for an array of shape {tuple(x.shape)}")
-    return axis % x.ndim
+    return int(axis % x.ndim)
 
 
 def _take(x: Array, axis: int, start: int, stop: int) -> Array:
@@ -94,9 +96,7 @@ def shard_sequence(
     return array_namespace({"x": x}).concat(parts, axis=axis)
 
 
-def unshard_sequence(
-    slices: Any, *, sharding: str = "contiguous", axis: int = -2
-) -> Array:
+def unshard_sequence(slices: Any, *, sharding: str = "contiguous", axis: int = -2) -> Array:
     """The full array from every participant's slice (``slices[rank]``), the inverse of
     :func:`shard_sequence`."""
     slices = list(slices)
@@ -226,9 +226,16 @@ def schedule_of(
                     continue
                 pairs.append(
                     BlockPair(
-                        step, source, qi, ki, q_rows, k_rows,
-                        range(rows.start, rows.stop), range(cols.start, cols.stop), band,
-                    )  # fmt: skip
+                        step,
+                        source,
+                        qi,
+                        ki,
+                        q_rows,
+                        k_rows,
+                        range(rows.start, rows.stop),
+                        range(cols.start, cols.stop),
+                        band,
+                    )
                 )
         steps.append(pairs)
     return steps

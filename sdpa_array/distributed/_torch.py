@@ -167,7 +167,7 @@ class RingFunction(torch.autograd.Function):
     """Ring attention under torch autograd: the backward is the ring backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ring, comm, stats = setup
@@ -178,7 +178,7 @@ class RingFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor, _grad_lse: Any) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor, _grad_lse: Any) -> tuple[Any, ...]:
         ring, comm, stats = ctx.setup
         q, k, v, out, lse = ctx.saved_tensors
         if grad_out is None:
@@ -193,6 +193,6 @@ def ring_function(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out, lse)`` of this rank's rows, differentiable in ``q``, ``k``, ``v``."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, lse = RingFunction.apply(q, k, v, (ring, comm, stats))
+        out, lse = RingFunction.apply(q, k, v, (ring, comm, stats))  # type: ignore[no-untyped-call]
         return out, lse
     return _forward(ring, comm, q, k, v, stats)
