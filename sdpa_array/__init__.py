@@ -73,7 +73,7 @@ def _torch_layer(name: str, where: str) -> object:
 
 #: Subpackages beside the library, imported on first use: the float64 oracle, the testing
 #: helpers, the integrations with other frameworks and the lab's experiments.
-_SUBPACKAGES = ("integrations", "lab", "reference", "testing")
+_SUBPACKAGES = ("distributed", "integrations", "lab", "reference", "testing")
 
 
 def __getattr__(name: str) -> object:

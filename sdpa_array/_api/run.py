@@ -55,14 +55,19 @@ def run_vjp(
     implementation: str,
     blocks: tuple[int | None, int | None],
     problem: Problem,
+    *,
+    out: Array = None,
+    lse: Array = None,
 ) -> tuple[Array, ...]:
     """Plan a heads-first VJP call of a validated ``problem`` (``grad_output`` already
     checked against it), run its backward and return the public function's gradients.
-    A ``score_mod`` without a derivative on a library without autodiff is a ``TypeError``
-    here, before any work."""
+    ``out`` and ``lse`` (both or neither): the output and log-sum-exp the probabilities
+    come from, ``P = exp(Z - lse)`` and ``D = rowsum(dO * out)``, instead of a forward
+    pass or each row's own softmax. A ``score_mod`` without a derivative on a library
+    without autodiff is a ``TypeError`` here, before any work."""
     score_mod_derivable(problem)
     plan = plan_vjp(query, key, value, options, implementation, blocks, problem=problem)
     if plan.empty:  # nothing reaches the output: every gradient is zero
         return zero_gradients(problem, plan.inputs)
-    grads = plan.choice.backward(problem, plan.inputs, grad_output)
+    grads = plan.choice.backward(problem, plan.inputs, grad_output, out=out, lse=lse)
     return finish_gradients(problem, plan.inputs, grads)
