@@ -22,6 +22,7 @@ from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
 from . import mods
+from ._api.dropout import dropout_keep_mask
 from ._api.explain import Explanation, explain
 from ._api.forward import scaled_dot_product_attention
 from ._api.kv_cache import attention_with_kv_cache
@@ -35,7 +36,6 @@ from ._api.vjp import scaled_dot_product_attention_vjp
 from ._arrays.merge import merge_attention_states
 from ._arrays.parallel import get_num_threads, set_num_threads
 from ._errors import CannotDelegateError, CannotUseTritonError
-from ._kernels.dropout import dropout_keep_mask
 from ._problem.block_mask import BlockMask, create_block_mask
 
 __all__ = [

@@ -17,11 +17,11 @@ import dataclasses
 from typing import Any
 
 from .._arrays.typing import Array
+from .._plan.run import run_forward, run_vjp
 from .._problem.band import Band, window_bounds
 from .._problem.options import Options
 from .._problem.outputs import Outputs
 from .._problem.problem import Problem, validate
-from .run import run_forward, run_vjp
 from .vjp import check_grad_output
 
 __all__ = ["block_band", "block_forward", "block_vjp"]

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._arrays.typing import Array
-from .._kernels.native import plan_native_vjp
-from .._plan.plan import plan_forward, plan_vjp
+from .._plan.plan import native_vjp_kernel, plan_forward, plan_vjp
 from .._problem.options import Options
 from .._problem.outputs import Outputs
 from .layout import check_layout, swap_heads_and_length
@@ -132,7 +131,7 @@ def explain(
         forward=forward.name,
         vjp=vjp.name,
         forward_kernel=None if forward.planned is None else forward.planned[1].kernel,
-        vjp_kernel=plan_native_vjp(p, x).kernel if vjp.name == "native" else None,
+        vjp_kernel=native_vjp_kernel(p, x) if vjp.name == "native" else None,
         automatic=forward.automatic,
         forward_why=forward.why,
         vjp_why=vjp.why,

@@ -23,13 +23,13 @@ from .._arrays.typing import (
     ScoreMod,
 )
 from .._plan import cache
+from .._plan.run import run_forward
 from .._problem.options import Options
 from .._problem.outputs import Outputs
 from .._problem.peer_keywords import names_peer_spellings
 from .._problem.problem import validate
 from .jax_eager import eager_jax, run_jitted
 from .layout import check_layout, heads_first_forward
-from .run import run_forward
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -5,10 +5,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
-from .._arrays.parallel import release_pool
-from .._arrays.products import release_scratch
-from .._kernels.tiling import clear_band_plans
-from .._plan import cache
+from .._plan.run import release_kept
 from .jax_eager import clear_compiled
 
 __all__ = ["release_memory"]
@@ -39,11 +36,8 @@ def release_memory() -> None:
     >>> bool(np.array_equal(out, again))
     True
     """
-    release_scratch()
-    cache.clear()
-    clear_band_plans()
+    release_kept()
     clear_compiled()
-    release_pool()
     _trim_c_heap()
 
 

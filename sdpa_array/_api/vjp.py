@@ -23,6 +23,7 @@ from .._arrays.typing import (
     ScoreMod,
     VJPImplementationName,
 )
+from .._plan.run import run_vjp
 from .._problem.mod_parameters import check_mod_gradients
 from .._problem.options import Options
 from .._problem.peer_keywords import names_peer_spellings
@@ -30,7 +31,6 @@ from .._problem.problem import Problem, validate
 from .._problem.scalar_options import check_flag
 from .jax_eager import eager_jax, run_jitted
 from .layout import check_layout, swap_heads_and_length
-from .run import run_vjp
 
 __all__ = ["check_cotangent", "check_grad_output", "scaled_dot_product_attention_vjp"]
 

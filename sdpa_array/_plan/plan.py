@@ -11,14 +11,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from .._arrays.typing import Array
-from .._kernels.native import Request, plan_native
+from .._kernels.native import Request, plan_native, plan_native_vjp
 from .._problem.options import Options
 from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem, validate
 from . import cache
 from .dispatch import Choice, choose
 
-__all__ = ["Plan", "plan_forward", "plan_vjp"]
+__all__ = ["Plan", "native_vjp_kernel", "plan_forward", "plan_vjp"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,3 +100,8 @@ def plan_vjp(
     p = validate(query, key, value, options) if problem is None else problem
     x = Inputs.of(query, key, value, options, p)
     return Plan(p, x, None, choose(p, implementation, blocks, vjp_inputs=x))
+
+
+def native_vjp_kernel(p: Problem, x: Inputs) -> str:
+    """The native kernel whose backward a VJP planned ``"native"`` for ``p`` runs."""
+    return plan_native_vjp(p, x).kernel

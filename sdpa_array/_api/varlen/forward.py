@@ -4,7 +4,7 @@
 arrays into their sequences by ``cu_seqlens_q``/``cu_seqlens_k`` (host offsets, checked by
 :func:`~sdpa_array._problem.packed.check_packed`), runs each sequence as one heads-first call
 of the library (every sequence validated before any runs; then planned and run by
-:mod:`sdpa_array._api.run`: the same planner, kernels and autograd wrappers as any call)
+:mod:`sdpa_array._plan.run`: the same planner, kernels and autograd wrappers as any call)
 and joins the results. The work is that of the sequences themselves (the sum of their
 squared lengths), and no ``(total, total)`` array is formed. Sequence ``n`` is batch
 element ``n`` of the padded call (:mod:`.sequences`).
@@ -16,6 +16,7 @@ from typing import Any
 
 from ..._arrays.compat import array_namespace, device
 from ..._arrays.typing import Alignment, Array, BiasMod, MaskMod, ScoreMod
+from ..._plan.run import run_forward
 from ..._problem.options import Options
 from ..._problem.outputs import Outputs
 from ..._problem.packed import check_packed
@@ -23,7 +24,6 @@ from ..._problem.peer_keywords import names_peer_spellings
 from ..._problem.problem import Problem
 from ..jax_eager import eager_jax, run_jitted
 from ..layout import swap_heads_and_length
-from ..run import run_forward
 from .sequences import keywords_of, sequences, static_offsets
 
 __all__ = ["scaled_dot_product_attention_varlen"]

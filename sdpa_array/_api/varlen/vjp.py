@@ -9,14 +9,13 @@ from typing import Any
 
 from ..._arrays.compat import array_namespace
 from ..._arrays.typing import Alignment, Array, BiasMod, MaskMod, ScoreMod
-from ..._kernels.result import zero_gradients
+from ..._plan.run import run_vjp, zero_gradients
 from ..._problem.options import Options
 from ..._problem.packed import check_packed
 from ..._problem.peer_keywords import names_peer_spellings
 from ..._problem.problem import Inputs
 from ..jax_eager import eager_jax, run_jitted
 from ..layout import swap_heads_and_length
-from ..run import run_vjp
 from ..vjp import check_cotangent
 from .sequences import keywords_of, sequences, static_offsets
 

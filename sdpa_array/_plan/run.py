@@ -3,24 +3,28 @@
 :func:`run_forward` and :func:`run_vjp` take a heads-first call (``"BHLE"``) and, where the
 caller has it, its validated :class:`~sdpa_array._problem.problem.Problem`; they plan it
 (:mod:`sdpa_array._plan.plan`), run the chosen kernel and finish the result. The public
-forward and VJP functions and the packed variable-length ones (:mod:`.varlen`, one call per
-sequence) end here.
+forward and VJP functions and the packed variable-length ones (one call per sequence) end
+here; :func:`zero_gradients` is the gradients of a call whose output no key reaches.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .._arrays.parallel import release_pool
+from .._arrays.products import release_scratch
 from .._arrays.typing import Array
 from .._kernels.mod_terms import score_mod_derivable
 from .._kernels.result import empty_result, finalize, finish_gradients, zero_gradients
-from .._plan import autograd as _autograd
-from .._plan.plan import plan_forward, plan_vjp
+from .._kernels.tiling import clear_band_plans
 from .._problem.options import Options
 from .._problem.outputs import Outputs
 from .._problem.problem import Problem
+from . import autograd as _autograd
+from . import cache
+from .plan import plan_forward, plan_vjp
 
-__all__ = ["run_forward", "run_vjp"]
+__all__ = ["release_kept", "run_forward", "run_vjp", "zero_gradients"]
 
 
 def run_forward(
@@ -71,3 +75,13 @@ def run_vjp(
         return zero_gradients(problem, plan.inputs)
     grads = plan.choice.backward(problem, plan.inputs, grad_output, out=out, lse=lse)
     return finish_gradients(problem, plan.inputs, grads)
+
+
+def release_kept() -> None:
+    """Drop what the planner and the kernels keep between calls: the kept plans of repeated
+    calls and of causal and window tilings, the NumPy products' scratch buffers and the
+    threads of the NumPy block pool (later calls make them again)."""
+    release_scratch()
+    cache.clear()
+    clear_band_plans()
+    release_pool()
