@@ -4,10 +4,13 @@ landing page's code runs."""
 from __future__ import annotations
 
 import ast
+import doctest
 import importlib
 import inspect
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,3 +87,39 @@ def test_examples_pattern_needs_the_heading_and_a_doctest():
     assert not has_examples("Summary.\n\nExamples\n--------\nNone yet.")
     assert not has_examples("Summary.\n\n>>> f(1)\n2")  # a doctest, but no section
     assert not has_examples(None)
+
+
+#: Libraries whose examples the docstrings mark ``# doctest: +SKIP`` (the NumPy session,
+#: which runs the doctests, does not have them): an example that imports one starts its
+#: group, which runs here where the library is installed.
+SKIPPED_LIBRARIES = ("torch", "jax")
+
+
+def skipped_examples(obj: object, library: str) -> doctest.DocTest:
+    """The doctest of ``obj``'s docstring with its NumPy examples and those marked
+    ``+SKIP`` after ``import library``, the marks taken off."""
+    test = doctest.DocTestFinder(recurse=False).find(obj)[0]
+    kept, group = [], None
+    for example in test.examples:
+        skipped = example.options.get(doctest.SKIP, False)
+        if skipped and example.source.startswith("import "):
+            group = example.source.split()[1]
+        elif not skipped:
+            group = None
+        if not skipped or group == library:
+            example.options = {}
+            kept.append(example)
+    test.examples = kept
+    return test
+
+
+@pytest.mark.parametrize("library", SKIPPED_LIBRARIES)
+def test_skipped_examples_run_with_their_library(library):
+    pytest.importorskip(library)
+    from sdpa_array import scaled_dot_product_attention
+
+    test = skipped_examples(scaled_dot_product_attention, library)
+    assert any(f"import {library}" in e.source for e in test.examples)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    result = runner.run(test)
+    assert (result.failed, result.attempted) == (0, len(test.examples))
