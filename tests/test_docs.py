@@ -123,3 +123,24 @@ def test_skipped_examples_run_with_their_library(library):
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     result = runner.run(test)
     assert (result.failed, result.attempted) == (0, len(test.examples))
+
+
+def landing_page_blocks() -> list[str]:
+    """The Python code blocks of the docs' landing page."""
+    text = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    return re.findall(r"```python\n(.+?)\n```", text, flags=re.S)
+
+
+def printed_comment(block: str) -> str:
+    """What a block says it prints: the comment after its ``print(...)`` line."""
+    (line,) = [ln for ln in block.splitlines() if ln.startswith("print(")]
+    return line.split("  # ", 1)[1]
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_landing_page_code_runs_and_prints_what_it_says(library, capsys):
+    pytest.importorskip(library)
+    (block,) = [b for b in landing_page_blocks() if f"import {library}" in b.splitlines()[0]]
+    assert len([ln for ln in block.splitlines() if ln.strip()]) == 5
+    exec(compile(block, f"docs/index.md ({library})", "exec"), {})
+    assert capsys.readouterr().out.strip() == printed_comment(block)
