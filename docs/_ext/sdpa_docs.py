@@ -56,7 +56,7 @@ def backend_table() -> str:
     head = "| id | array library | device | dtypes | install | nox session |"
     rows = [head, "| --- | --- | --- | --- | --- | --- |"]
     for b in BACKENDS:
-        install = f"`pip install sdpa_array[{b.extra}]`" if b.extra else "(always)"
+        install = f'`pip install -e ".[{b.extra}]"`' if b.extra else "(always)"
         device = f"{b.device} (needs a CUDA GPU)" if b.needs_gpu else b.device
         dtypes = ", ".join(b.dtypes)
         rows.append(
