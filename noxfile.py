@@ -193,10 +193,11 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the Sphinx site with warnings as errors (torch for the page of
-    ``sdpa_array.MultiheadAttention``, a torch module), after ``asv publish`` of the
+    ``sdpa_array.MultiheadAttention``, a torch module; dask and transformers for the
+    recipes of the gallery, which run at build time), after ``asv publish`` of the
     committed results, whose pages the site serves under ``asv/``."""
     session.install(TORCH)
-    session.install("-e", ".[docs,plot,test,transformers,bench]")
+    session.install("-e", ".[docs,plot,test,transformers,dask,bench]")
     if any(Path("asv_benchmarks/results").glob("*/machine.json")):  # asv's pages, for the site
         session.run("asv", "publish", "--config", "asv_benchmarks/asv.conf.json")
     session.run(

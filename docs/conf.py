@@ -109,6 +109,8 @@ sphinx_gallery_conf = {
     "examples_dirs": "examples",
     "gallery_dirs": "auto_examples",
     "filename_pattern": r"/plot_",
+    # Two sections on one "Examples" page: the recipes first, then the theory, executed.
+    "subsection_order": ["examples/recipes", "examples/theory"],
     "within_subsection_order": "FileNameSortKey",
     "download_all_examples": False,
     "abort_on_example_error": True,
@@ -126,7 +128,8 @@ html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
     "secondary_sidebar_items": ["page-toc"],
-    # One header row at 1280 px: the first five pages, then "More"; links start next to the
+    # One header row at 1280 px: the first five pages of the root toctree (Getting started,
+    # Examples, API reference, Semantics, Theory), then "More"; links start next to the
     # title, and search is an icon (Ctrl+K) rather than a wide field that wrapped below.
     "header_links_before_dropdown": 5,
     "navbar_align": "left",
@@ -134,7 +137,17 @@ html_theme_options = {
 }
 # Pages with no subpages would show an empty "Section Navigation" column: drop it there.
 html_sidebars = {
-    page: [] for page in ("getting-started", "semantics", "backends", "implementations", "theory")
+    page: []
+    for page in (
+        "index",
+        "getting-started",
+        "semantics",
+        "backends",
+        "implementations",
+        "distributed",
+        "integrations",
+        "theory",
+    )
 }
 html_static_path = ["_static", str(_mathjax_offline_static())]
 html_css_files = ["sdpa.css"]  # wide tables, long names and signatures: see the file

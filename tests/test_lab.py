@@ -147,7 +147,7 @@ def test_attention_vjp_matches_oracle(backend: Backend, scale: float | None, vjp
 
 def test_gradient_flow_per_scale(backend: Backend) -> None:
     g = lab.gradient_flow(backend=backend)
-    i_one, i_sqrt, i_lin = (g.scales.index(s) for s in ("1", "1/sqrt(d_k)", "1/d_k"))
+    i_one, i_sqrt, i_lin = (g.scales.index(s) for s in ("1", "1/sqrt(E)", "1/E"))
     med = g.median
     # 1/sqrt(d_k): the typical row's gradient does not depend on d_k.
     assert med[i_sqrt].max() / med[i_sqrt].min() < 1.25, med[i_sqrt]

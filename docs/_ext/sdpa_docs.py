@@ -21,6 +21,10 @@
   performance history drawn from the committed asv results (:mod:`performance_history`);
   the HTML pages ``asv publish`` made (``asv_benchmarks/html``, where present) are copied
   to ``asv/`` in the built site.
+* API pages (``generated/``): the secondary sidebar ("On this page") lists the object's
+  Parameters, Returns and Examples sections (numpydoc renders them as a field list and a
+  rubric, which are not headings), and the main entry points (:data:`EXAMPLES_FIRST`)
+  show their Examples right after the summary, before the parameters.
 * ``implementations``: the line ``% performance.md`` is replaced by an include of
   ``docs/performance.md`` when that file exists, and by a sentence saying it is missing when
   it does not.
@@ -33,6 +37,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from docutils import nodes
+from sphinx import addnodes
 from sphinx.application import Sphinx
 from sphinx.environment import BuildEnvironment
 from sphinx.ext.autosummary import autosummary_noop, autosummary_table
@@ -50,7 +56,7 @@ def backend_table() -> str:
     head = "| id | array library | device | dtypes | install | nox session |"
     rows = [head, "| --- | --- | --- | --- | --- | --- |"]
     for b in BACKENDS:
-        install = f"`pip install sdpa_array[{b.extra}]`" if b.extra else "(always)"
+        install = f'`pip install -e ".[{b.extra}]"`' if b.extra else "(always)"
         device = f"{b.device} (needs a CUDA GPU)" if b.needs_gpu else b.device
         dtypes = ", ".join(b.dtypes)
         rows.append(
@@ -121,6 +127,86 @@ def _include_performance(app: Sphinx, docname: str, source: list[str]) -> None:
     source[0] = source[0].replace(PERFORMANCE_MARKER, block)
 
 
+#: The main entry points: their pages show the Examples before the Parameters (numpydoc
+#: renders the sections in a fixed order, Examples last).
+EXAMPLES_FIRST = frozenset(
+    {
+        "sdpa_array.scaled_dot_product_attention",
+        "sdpa_array.scaled_dot_product_attention_vjp",
+        "sdpa_array.scaled_dot_product_attention_varlen",
+        "sdpa_array.attention_with_kv_cache",
+        "sdpa_array.multi_head_attention",
+        "sdpa_array.create_block_mask",
+    }
+)
+
+#: The numpydoc sections an API page's "On this page" column links to, in their order.
+TOC_SECTIONS = ("Parameters", "Attributes", "Returns", "Examples")
+
+
+def _examples_first(
+    app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: list[str]
+) -> None:
+    """Move numpydoc's rendered Examples rubric of a main entry point before its field
+    lists (runs after numpydoc's own handler)."""
+    if name not in EXAMPLES_FIRST or ".. rubric:: Examples" not in lines:
+        return
+    start = lines.index(".. rubric:: Examples")
+    end = next(
+        (
+            i
+            for i in range(start + 1, len(lines))
+            if lines[i].startswith((".. rubric::", ".. only::", ".. !! processed"))
+        ),
+        len(lines),
+    )
+    fields = next((i for i, line in enumerate(lines) if line.startswith(":Parameters:")), None)
+    if fields is None or fields > start:
+        return
+    block = lines[start:end]
+    del lines[start:end]
+    lines[fields:fields] = [*block, ""]
+
+
+def _sections(content: nodes.Element) -> list[tuple[str, nodes.Element]]:
+    """The :data:`TOC_SECTIONS` of an object's description, in its order, with their
+    nodes: numpydoc's fields (``:Parameters:``, ``:Returns:``, consecutive ones in one
+    field list) and rubrics (``Examples``)."""
+    found = []
+    for child in content.children:
+        if isinstance(child, nodes.rubric):
+            found.append((child.astext(), child))
+        elif isinstance(child, nodes.field_list):
+            found += [(field.children[0].astext(), field) for field in child.children]
+    return [(title, node) for title, node in found if title in TOC_SECTIONS]
+
+
+def _api_page_toc(app: Sphinx, doctree: nodes.document) -> None:
+    """Anchor the sections of an API page's object and list them, in the page's order, in
+    its local toc after the object's own entry."""
+    docname = app.env.docname
+    toc = app.env.tocs.get(docname)
+    if not docname.startswith("generated/") or toc is None:
+        return
+    top = [
+        d for d in doctree.findall(addnodes.desc) if not isinstance(d.parent, addnodes.desc_content)
+    ]
+    inner = next((b for b in toc.findall(nodes.bullet_list) if b is not toc), None)
+    if len(top) != 1 or inner is None:
+        return
+    content = next(c for c in top[0].children if isinstance(c, addnodes.desc_content))
+    found: dict[str, str] = {}
+    for title, node in _sections(content):
+        if title not in found:
+            found[title] = f"section-{title.lower()}"
+            node["ids"].append(found[title])
+    for title, anchor in found.items():
+        reference = nodes.reference(
+            "", title, internal=True, refuri=docname, anchorname=f"#{anchor}"
+        )
+        inner += nodes.list_item("", addnodes.compact_paragraph("", "", reference))
+
+
 def _visit_autosummary_table(translator: Any, node: Any) -> None:
     """Write the table as it is (autosummary's own visitor makes its spaces non-breaking)."""
 
@@ -141,6 +227,8 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.connect("builder-inited", _write_snippets)
     app.connect("source-read", _include_performance)
     app.connect("env-updated", _drop_private_aliases)
+    app.connect("autodoc-process-docstring", _examples_first, priority=600)
+    app.connect("doctree-read", _api_page_toc, priority=900)
     app.connect("build-finished", _copy_asv_pages)
     app.add_node(
         autosummary_table, override=True, html=(_visit_autosummary_table, autosummary_noop)

@@ -41,6 +41,15 @@ class Explanation:
         FlashAttention. Its error bound has the ``base2`` and ``rounded_operands`` terms of
         :mod:`sdpa_array.testing.bounds`; the library's own generic kernels compute a
         half-precision call's products in float32.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import sdpa_array
+    >>> q = np.zeros((1, 4096, 64), dtype=np.float32)
+    >>> e = sdpa_array.explain(q, q, q, is_causal=True)
+    >>> e.forward, e.automatic
+    ('blocked', True)
     """
 
     forward: str

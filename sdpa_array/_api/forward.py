@@ -371,6 +371,8 @@ def scaled_dot_product_attention(
 
     Examples
     --------
+    NumPy arrays in, a NumPy array out (the worked example of the docs' theory page):
+
     >>> import numpy as np
     >>> from sdpa_array import scaled_dot_product_attention
     >>> q = np.array([[1.0, 2.0], [3.0, 4.0]])
@@ -379,6 +381,66 @@ def scaled_dot_product_attention(
     >>> scaled_dot_product_attention(q, k, v).round(3)
     array([[0.986, 1.   , 0.   ],
            [1.   , 1.   , 0.   ]])
+
+    torch tensors (CPU or CUDA, under autograd) give a tensor, here the one torch's own
+    function gives:
+
+    >>> import torch  # doctest: +SKIP
+    >>> q = torch.randn(2, 8, 128, 64, requires_grad=True)  # doctest: +SKIP
+    >>> out = scaled_dot_product_attention(q, q, q, is_causal=True)  # doctest: +SKIP
+    >>> out.shape  # doctest: +SKIP
+    torch.Size([2, 8, 128, 64])
+    >>> expected = torch.nn.functional.scaled_dot_product_attention(  # doctest: +SKIP
+    ...     q, q, q, is_causal=True
+    ... )
+    >>> torch.allclose(out, expected, atol=1e-6)  # doctest: +SKIP
+    True
+    >>> out.sum().backward()  # doctest: +SKIP
+
+    JAX arrays, also under ``jax.jit``:
+
+    >>> import jax  # doctest: +SKIP
+    >>> q = jax.random.normal(jax.random.key(0), (2, 8, 128, 64))  # doctest: +SKIP
+    >>> attend = jax.jit(lambda q: scaled_dot_product_attention(q, q, q))  # doctest: +SKIP
+    >>> attend(q).shape  # doctest: +SKIP
+    (2, 8, 128, 64)
+
+    Causal attention over a right-padded batch, ``(batch, heads, L, E)`` = ``(2, 4, 6,
+    8)``: the second sequence has 3 tokens, and its padded queries get zeros:
+
+    >>> q = np.random.default_rng(0).standard_normal((2, 4, 6, 8), dtype=np.float32)
+    >>> lengths = np.array([6, 3])
+    >>> out = scaled_dot_product_attention(
+    ...     q, q, q, is_causal=True, query_lengths=lengths, key_lengths=lengths
+    ... )
+    >>> out.shape, out.dtype, bool(out[1, :, 3:].any())
+    ((2, 4, 6, 8), dtype('float32'), False)
+
+    A mask function instead of a mask array (:mod:`sdpa_array.mods`): two documents of 3
+    tokens packed in one row, causal within each; the same as the dense mask:
+
+    >>> from sdpa_array import mods
+    >>> segments = np.array([0, 0, 0, 1, 1, 1])
+    >>> doc_causal = mods.and_masks(mods.causal(), mods.document(segments, segments))
+    >>> out = scaled_dot_product_attention(q, q, q, mask_mod=doc_causal)
+    >>> mask = (segments[:, None] == segments) & np.tri(6, dtype=bool)
+    >>> bool(np.allclose(out, scaled_dot_product_attention(q, q, q, mask=mask), atol=1e-6))
+    True
+
+    Decoding with a KV cache (:func:`attention_with_kv_cache`): 6 tokens cached, one new
+    token written into the cache and attended with them:
+
+    >>> from sdpa_array import attention_with_kv_cache
+    >>> k_cache = np.zeros((2, 4, 16, 8), dtype=np.float32)  # room for 16 tokens
+    >>> v_cache = np.zeros((2, 4, 16, 8), dtype=np.float32)
+    >>> k_cache[:, :, :6], v_cache[:, :, :6] = q, q
+    >>> new = np.random.default_rng(1).standard_normal((2, 4, 1, 8), dtype=np.float32)
+    >>> out, k_cache, v_cache = attention_with_kv_cache(
+    ...     new, k_cache, v_cache, cache_lengths=[6, 6], new_key=new, new_value=new
+    ... )
+    >>> full = scaled_dot_product_attention(new, k_cache[:, :, :7], v_cache[:, :, :7])
+    >>> bool(np.allclose(out, full, atol=1e-6))
+    True
     """
     # every option but three at its default (compared so that no value of another type
     # is asked for its truth): a direct call kept for these arrays?

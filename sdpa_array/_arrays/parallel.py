@@ -87,6 +87,14 @@ def set_num_threads(n: int | None) -> None:
     ------
     ValueError
         If ``n`` is not a positive int or None.
+
+    Examples
+    --------
+    >>> import sdpa_array
+    >>> sdpa_array.set_num_threads(2)
+    >>> sdpa_array.get_num_threads()
+    2
+    >>> sdpa_array.set_num_threads(None)  # back to the default
     """
     global _override
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
@@ -116,6 +124,16 @@ def get_num_threads() -> int:
     ------
     ValueError
         If ``SDPA_ARRAY_NUM_THREADS`` is set to something other than a positive integer.
+
+    Examples
+    --------
+    >>> import sdpa_array
+    >>> sdpa_array.get_num_threads() >= 1
+    True
+    >>> sdpa_array.set_num_threads(1)  # run the blocks one after the other
+    >>> sdpa_array.get_num_threads()
+    1
+    >>> sdpa_array.set_num_threads(None)
     """
     if _override is not None:
         return _override

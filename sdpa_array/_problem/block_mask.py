@@ -250,6 +250,27 @@ def create_block_mask(
         Arguments that are not positive ints (``L``, ``S`` may be 0), a ``mask_mod`` that is
         not callable, raises, or returns something other than a boolean NumPy array that
         broadcasts to the scores' shape.
+
+    Examples
+    --------
+    Three packed documents of 96, 64 and 96 tokens, causal within each: of the 16 tiles of
+    64 x 64, 9 are empty (skipped), 7 partial (the function is evaluated there):
+
+    >>> import numpy as np
+    >>> from sdpa_array import create_block_mask, mods, scaled_dot_product_attention
+    >>> segments = np.repeat([0, 1, 2], [96, 64, 96])
+    >>> doc_causal = mods.and_masks(mods.causal(), mods.document(segments, segments))
+    >>> bm = create_block_mask(doc_causal, None, None, 256, 256, block_q=64, block_k=64)
+    >>> bm.kinds[0, 0]  # 0 empty, 1 partial, 2 full
+    array([[1, 0, 0, 0],
+           [1, 1, 0, 0],
+           [0, 1, 1, 0],
+           [0, 0, 1, 1]], dtype=int8)
+    >>> bm.sparsity
+    0.5625
+    >>> q = np.random.default_rng(0).standard_normal((2, 256, 16), dtype=np.float32)
+    >>> scaled_dot_product_attention(q, q, q, mask_mod=bm).shape
+    (2, 256, 16)
     """
     check_mod_callable("mask_mod", mask_mod)
     if isinstance(mask_mod, BlockMask):

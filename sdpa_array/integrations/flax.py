@@ -97,6 +97,30 @@ def attention_fn(
     ------
     ValueError
         Dropout (``dropout_rate > 0`` without ``deterministic``) without a ``dropout_rng``.
+
+    Examples
+    --------
+    Called directly, on Flax's ``(batch, length, heads, features)`` layout, it gives what
+    Flax's own function gives:
+
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from sdpa_array.integrations.flax import attention_fn
+    >>> q = jax.random.normal(jax.random.key(0), (1, 5, 2, 8))
+    >>> out = attention_fn(q, q, q, is_causal=True)
+    >>> out.shape
+    (1, 5, 2, 8)
+    >>> causal = nnx.make_causal_mask(jnp.ones((1, 5)))
+    >>> bool(jnp.allclose(out, nnx.dot_product_attention(q, q, q, mask=causal), atol=1e-6))
+    True
+
+    and as the attention function of a layer:
+
+    >>> layer = nnx.MultiHeadAttention(num_heads=2, in_features=8, decode=False,
+    ...                                attention_fn=attention_fn, rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((1, 5, 8))).shape
+    (1, 5, 8)
     """
     dropout: dict[str, Any] = {}
     if dropout_rate > 0.0 and not deterministic:

@@ -80,6 +80,24 @@ def register(name: str = DEFAULT_NAME) -> str:
     ValueError
         If ``name`` is empty, not a string, or names one of transformers' own
         implementations.
+
+    Examples
+    --------
+    A tiny Llama built from a config (nothing is downloaded), computed by this library:
+
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from sdpa_array.integrations.transformers import register
+    >>> name = register()
+    >>> name
+    'array_attention'
+    >>> config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    >>> model = LlamaForCausalLM._from_config(config, attn_implementation=name).eval()
+    >>> model.config._attn_implementation
+    'array_attention'
+    >>> model(torch.tensor([[1, 2, 3]])).logits.shape
+    torch.Size([1, 3, 64])
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -172,6 +190,25 @@ def attention_forward(
     ValueError
         If ``query``, ``key`` or ``value`` is not a 4-D tensor; the library's own errors
         for shapes, masks, sinks or offsets that do not fit, naming the argument.
+
+    Examples
+    --------
+    Called as a causal layer with 4 query heads and 2 key/value heads would call it; the
+    output comes back sequence first:
+
+    >>> import torch
+    >>> from sdpa_array.integrations.transformers import attention_forward
+    >>> layer = torch.nn.Module()
+    >>> layer.is_causal = True
+    >>> q, kv = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    >>> out, weights = attention_forward(layer, q, kv, kv, None)
+    >>> out.shape, weights
+    (torch.Size([1, 3, 4, 8]), None)
+    >>> expected = torch.nn.functional.scaled_dot_product_attention(
+    ...     q, kv, kv, is_causal=True, enable_gqa=True
+    ... )
+    >>> torch.allclose(out, expected.transpose(1, 2), atol=1e-6)
+    True
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor) or x.ndim != 4:

@@ -10,12 +10,12 @@ matplotlib figure, for ``python -m sdpa_array experiments`` and the documentatio
 ========================================  ==============================================
 experiment                                claim checked
 ========================================  ==============================================
-:func:`dot_product_variance`              ``Var(q·k) = d_k``, and 1 after ``/ sqrt(d_k)``
+:func:`dot_product_variance`              ``Var(q·k) = E``, and 1 after ``/ sqrt(E)``
 :func:`softmax_saturation`                large logits make softmax one-hot and its
                                           Jacobian ``diag(p) - p pᵀ`` vanish
 :func:`gradient_flow`                     the gradient reaching ``Q`` collapses with
-                                          scale 1, shrinks with ``1/d_k``, and stays put
-                                          with ``1/sqrt(d_k)``
+                                          scale 1, shrinks with ``1/E``, and stays put
+                                          with ``1/sqrt(E)``
 :func:`additive_attention`,               the cost of additive (Bahdanau) attention, and
 :func:`attention_cost`                    how much of the quoted ``O(n² d²)`` is avoidable
 :func:`query_key_asymmetry`               ``softmax(S) != softmax(Sᵀ)ᵀ`` and
@@ -39,7 +39,7 @@ Examples
 >>> bool(abs(r.scaled_variance[1] - 1.0) < 3.3 * r.scaled_variance_stderr[1])
 True
 >>> print(lab.table_variance(r).splitlines()[0])  # doctest: +ELLIPSIS
-d_k  mean q·k  var q·k  99.9% interval (theory d_k)  ...
+E    mean q·k  var q·k  99.9% interval (theory E)  ...
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ __all__ = [
 
 
 def draw_variance(r: DotProductVariance, fig: Any) -> None:
-    """Variance of ``q·k`` (log-log, against ``d_k``), scaled variance and means with intervals.
+    """Variance of ``q·k`` (log-log, against ``E``), scaled variance and means with intervals.
 
     Parameters
     ----------
@@ -56,11 +56,11 @@ def draw_variance(r: DotProductVariance, fig: Any) -> None:
     d = r.d_k
     lo, hi = r.variance_interval()
     ax1.fill_between(d, lo, hi, color="C0", alpha=0.25, label=f"{r.confidence:.1%} interval")
-    ax1.plot(d, d, "k--", lw=1, label="theory: d_k")
+    ax1.plot(d, d, "k--", lw=1, label="theory: E")
     ax1.plot(d, r.variance, "o", color="C0", label="sample variance of q·k")
-    ax1.plot(d, r.scaled_variance, "s", color="C1", label="sample variance of q·k / sqrt(d_k)")
+    ax1.plot(d, r.scaled_variance, "s", color="C1", label="sample variance of q·k / sqrt(E)")
     ax1.set(
-        xscale="log", yscale="log", xlabel="d_k", ylabel="variance", title="Var(q·k) grows like d_k"
+        xscale="log", yscale="log", xlabel="E", ylabel="variance", title="Var(q·k) grows like E"
     )
     ax1.set_xscale("log", base=2)
     ax1.legend(fontsize=8)
@@ -69,8 +69,8 @@ def draw_variance(r: DotProductVariance, fig: Any) -> None:
     ax2.axhline(1.0, color="k", ls="--", lw=1, label="theory: 1")
     ax2.plot(d, r.scaled_variance, "s-", color="C1", label="sample")
     ax2.set(
-        xlabel="d_k",
-        ylabel="variance of q·k / sqrt(d_k)",
+        xlabel="E",
+        ylabel="variance of q·k / sqrt(E)",
         title=f"after scaling: 1 (N = {r.n_samples})",
     )
     ax2.set_xscale("log", base=2)
@@ -79,8 +79,8 @@ def draw_variance(r: DotProductVariance, fig: Any) -> None:
     mlo, mhi = r.mean_interval(scaled=True)
     ax3.fill_between(d, mlo, mhi, color="C2", alpha=0.25, label=f"{r.confidence:.1%} interval")
     ax3.axhline(0.0, color="k", ls="--", lw=1, label="theory: 0")
-    ax3.plot(d, r.scaled_mean, "^-", color="C2", label="sample mean of q·k / sqrt(d_k)")
-    ax3.set(xlabel="d_k", ylabel="mean", title="mean stays 0")
+    ax3.plot(d, r.scaled_mean, "^-", color="C2", label="sample mean of q·k / sqrt(E)")
+    ax3.set(xlabel="E", ylabel="mean", title="mean stays 0")
     ax3.set_xscale("log", base=2)
     ax3.margins(y=0.3)
     ax3.legend(fontsize=7, loc="upper right", ncol=3)
@@ -151,7 +151,7 @@ def draw_saturation(r: SoftmaxSaturation, fig: Any) -> None:
 
 
 def draw_gradient_flow(r: GradientFlow, fig: Any) -> None:
-    """Median row norm of ``dL/dQ`` (band: 10%-90%, dotted: RMS) and peak weight against d_k.
+    """Median row norm of ``dL/dQ`` (band: 10%-90%, dotted: RMS) and peak weight against E.
 
     Parameters
     ----------
@@ -171,14 +171,14 @@ def draw_gradient_flow(r: GradientFlow, fig: Any) -> None:
         ax2.plot(r.d_k, r.max_weight[i], "o-", color=color, label=f"scale {name}")
     ax1.set(
         yscale="log",
-        xlabel="d_k",
+        xlabel="E",
         ylabel="||dL/dQ_i|| over query rows",
         title="gradient reaching Q (band: 10%-90% of rows)",
     )
     ax1.set_xscale("log", base=2)
     ax1.legend(fontsize=7, ncol=2)
     ax2.set(
-        xlabel="d_k",
+        xlabel="E",
         ylabel="mean largest attention weight",
         ylim=(0, 1),
         title="saturation of the weights",
@@ -203,14 +203,14 @@ def draw_cost(r: AttentionCost, fig: Any) -> None:
     ax1.plot(r.dims, r.additive_seconds * 1e3, "s-", label="additive, projected once")
     ax1.set(
         yscale="log",
-        xlabel="d = d_k = d_a",
+        xlabel="d = E = d_a",
         ylabel="time per call (ms)",
         title=f"measured on {r.backend}, n = {r.n}",
     )
     ax2.plot(r.dims, r.dot_flops, "o-", label="dot-product: O(n² d)")
     ax2.plot(r.dims, r.additive_flops, "s-", label="additive, projected once: O(n d² + n² d)")
     ax2.plot(r.dims, r.additive_naive_flops, "^--", label="additive, per pair: O(n² d²)")
-    ax2.set(yscale="log", xlabel="d = d_k = d_a", ylabel="flops", title="counted flops")
+    ax2.set(yscale="log", xlabel="d = E = d_a", ylabel="flops", title="counted flops")
     ax3.plot(
         r.dims, r.additive_seconds / r.dot_seconds, "o-", color="C3", label="measured time ratio"
     )
@@ -223,7 +223,7 @@ def draw_cost(r: AttentionCost, fig: Any) -> None:
     )
     ax3.set(
         yscale="log",
-        xlabel="d = d_k = d_a",
+        xlabel="d = E = d_a",
         ylabel="additive / dot-product",
         title="measured time ratio against flop ratio",
     )

@@ -362,11 +362,11 @@ def softmax_saturation(
 # --------------------------------------------------------------------------------------
 
 
-#: Scales compared by :func:`gradient_flow`, by name: ``d`` is the key width ``d_k``.
+#: Scales compared by :func:`gradient_flow`, by name: ``d`` is the key width ``E``.
 SCALES: dict[str, Any] = {
     "1": lambda d: 1.0,
-    "1/sqrt(d_k)": lambda d: 1.0 / math.sqrt(d),
-    "1/d_k": lambda d: 1.0 / d,
+    "1/sqrt(E)": lambda d: 1.0 / math.sqrt(d),
+    "1/E": lambda d: 1.0 / d,
 }
 
 

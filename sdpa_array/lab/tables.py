@@ -96,7 +96,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def table_variance(r: DotProductVariance) -> str:
-    """Sample moments of ``q·k`` and ``q·k / sqrt(d_k)`` against theory and interval.
+    """Sample moments of ``q·k`` and ``q·k / sqrt(E)`` against theory and interval.
 
     Parameters
     ----------
@@ -124,15 +124,15 @@ def table_variance(r: DotProductVariance) -> str:
         for i, d in enumerate(r.d_k)
     ]
     head = [
-        "d_k",
+        "E",
         "mean q·k",
         "var q·k",
-        f"{r.confidence:.1%} interval (theory d_k)",
+        f"{r.confidence:.1%} interval (theory E)",
         "mean scaled",
         "var scaled",
         f"{r.confidence:.1%} interval (theory 1)",
     ]
-    note = f"N = {r.n_samples} pairs per d_k; interval = theory ± {r.z:.2f} standard errors"
+    note = f"N = {r.n_samples} pairs per width E; interval = theory ± {r.z:.2f} standard errors"
     return format_table(head, rows) + "\n" + note
 
 
@@ -186,7 +186,7 @@ def table_gradient_flow(r: GradientFlow) -> str:
         root-mean-square row norms at the largest width.
     """
     q10, q50, q90 = r.quantile(0.1), r.median, r.quantile(0.9)
-    head = ["d_k"]
+    head = ["E"]
     for name in r.scales:
         head += [f"median |dQ_i| ({name})", "max w"]
     rows = []
@@ -239,7 +239,7 @@ def table_cost(r: AttentionCost) -> str:
         "additive flops, per-pair projections",
     ]
     note = (
-        f"n = {r.n} queries and keys, d_k = d_v = d_a = d, backend {r.backend}, best of "
+        f"n = {r.n} queries and keys, E = E_v = d_a = d, backend {r.backend}, best of "
         "the timed calls. Projecting once leaves O(n d²) projections + O(n² d_a) tanh terms."
     )
     return format_table(head, rows) + "\n" + note

@@ -251,6 +251,24 @@ def intermediates(
     scores, ``-inf`` where excluded), ``allowed`` (boolean, the scores' shape, every
     restriction included), ``weights``, ``out`` and ``lse``. :mod:`sdpa_array.testing`
     derives the gradients' error bounds from them.
+
+    Returns
+    -------
+    dict
+        The intermediates named above (and a few more of the forward pass), by name.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa_array.reference import intermediates
+    >>> q = np.array([[1.0, 0.0]])
+    >>> k = np.array([[1.0, 0.0], [0.0, 1.0]])
+    >>> v = np.array([[1.0], [0.0]])
+    >>> steps = intermediates(q, k, v, scale=np.log(3.0))
+    >>> steps["z"]
+    array([[1.09861229, 0.        ]])
+    >>> steps["weights"]
+    array([[0.75, 0.25]])
     """
     options = OracleOptions.gather(locals())
     prep = validate_and_prepare(query, key, value, options)

@@ -50,6 +50,15 @@ def pad_packed(x: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     -------
     numpy.ndarray, shape (N, longest, ...)
         Sequence ``n`` in the first rows of batch element ``n``, zeros after them.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa_array.reference import pad_packed
+    >>> x = np.arange(5.0)[:, None]  # two sequences of 2 and 3 rows, packed
+    >>> pad_packed(x, np.array([0, 2, 5]))[..., 0]
+    array([[0., 1., 0.],
+           [2., 3., 4.]])
     """
     lengths = np.diff(offsets)
     longest = int(lengths.max(initial=0))
@@ -76,6 +85,15 @@ def unpad_packed(x: np.ndarray, offsets: np.ndarray, axis: int = 1) -> np.ndarra
     numpy.ndarray
         ``x`` without its batch axis, the first ``length`` entries of each batch element
         along ``axis`` concatenated along that axis.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa_array.reference import pad_packed, unpad_packed
+    >>> offsets = np.array([0, 2, 5])
+    >>> x = np.arange(5.0)[:, None]
+    >>> unpad_packed(pad_packed(x, offsets), offsets)[:, 0]
+    array([0., 1., 2., 3., 4.])
     """
     lengths = np.diff(offsets)
     parts = [np.take(x[n], np.arange(lengths[n]), axis=axis - 1) for n in range(lengths.size)]
@@ -132,6 +150,24 @@ def scaled_dot_product_attention_varlen(
         Only if ``return_lse``.
     max_scores : numpy.ndarray, shape (N, Hq)
         Only if ``return_max_scores``.
+
+    Examples
+    --------
+    Two sequences of 2 and 3 tokens packed into 5 rows, 2 heads of width 4; the first
+    sequence's rows are those of a call on it alone:
+
+    >>> import numpy as np
+    >>> from sdpa_array import reference
+    >>> x = np.random.default_rng(0).standard_normal((5, 2, 4))
+    >>> offsets = np.array([0, 2, 5])
+    >>> out = reference.scaled_dot_product_attention_varlen(x, x, x, offsets, is_causal=True)
+    >>> out.shape
+    (5, 2, 4)
+    >>> first = reference.scaled_dot_product_attention(
+    ...     x[:2], x[:2], x[:2], is_causal=True, layout="BLHE"
+    ... )
+    >>> bool(np.allclose(out[:2], first))
+    True
     """
     cq, _ck, (q, k, v), lengths = _padded(query, key, value, cu_seqlens_q, cu_seqlens_k)
     out, lse, best = scaled_dot_product_attention(
@@ -173,6 +209,18 @@ def scaled_dot_product_attention_varlen_vjp(
     tuple of numpy.ndarray
         ``(grad_query, grad_key, grad_value[, grad_sinks][, grad_scale])``, float64: the
         first three in the packed layout, the others summed over the sequences.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa_array import reference
+    >>> x = np.random.default_rng(0).standard_normal((5, 2, 4))
+    >>> offsets = np.array([0, 2, 5])
+    >>> dq, dk, dv = reference.scaled_dot_product_attention_varlen_vjp(
+    ...     x, x, x, np.ones_like(x), offsets, is_causal=True
+    ... )
+    >>> dq.shape, dk.shape, dv.shape
+    ((5, 2, 4), (5, 2, 4), (5, 2, 4))
     """
     cq, ck, (q, k, v), lengths = _padded(query, key, value, cu_seqlens_q, cu_seqlens_k)
     g = pad_packed(as_float64(grad_output), cq)

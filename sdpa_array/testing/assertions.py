@@ -56,6 +56,19 @@ def assert_array_like(actual: Array, like: Array, *, shape: tuple[int, ...], dty
     ------
     AssertionError
         Naming what differs.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa_array import scaled_dot_product_attention
+    >>> from sdpa_array.testing import assert_array_like
+    >>> q = np.ones((2, 3, 4), dtype=np.float32)
+    >>> out = scaled_dot_product_attention(q, q, q)
+    >>> assert_array_like(out, q, shape=(2, 3, 4), dtype=np.float32)
+    >>> assert_array_like(out, q, shape=(2, 3, 4), dtype=np.float64)
+    Traceback (most recent call last):
+        ...
+    AssertionError: dtype float32 != <class 'numpy.float64'>
     """
     assert type(actual) is type(like), f"array type {type(actual)} != {type(like)}"
     assert array_namespace({"a": actual}) is array_namespace({"b": like})
@@ -85,6 +98,16 @@ def assert_close(actual: Array, expected: np.ndarray, bound: float, what: str = 
     ------
     AssertionError
         Naming ``what`` and what differs (shape, NaN, non-finite entries, largest error).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa_array.testing import assert_close
+    >>> assert_close(np.array([1.0, -np.inf]), np.array([1.05, -np.inf]), 0.1)
+    >>> assert_close(np.array([1.0, 2.0]), np.array([1.0, 2.5]), 0.1)
+    Traceback (most recent call last):
+        ...
+    AssertionError: out: max error 5.000e-01 exceeds the bound 1.000e-01
     """
     got = reference.to_numpy(actual).astype(np.float64)
     assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
@@ -116,6 +139,17 @@ def assert_within(actual: Array, expected: np.ndarray, bound: np.ndarray, what: 
     ------
     AssertionError
         Naming ``what``, the number of entries over their bound and the worst of them.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa_array.testing import assert_within
+    >>> expected, bound = np.array([1.0, 2.0]), np.array([0.0, 0.1])
+    >>> assert_within(np.array([1.0, 2.05]), expected, bound, "out")
+    >>> assert_within(np.array([1.01, 2.0]), expected, bound, "out")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+        ...
+    AssertionError: out: 1 of 2 entries exceed their bound; at ...
     """
     got = reference.to_numpy(actual).astype(np.float64)
     assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
@@ -186,6 +220,19 @@ def assert_close_to_oracle(
     ------
     AssertionError
         Naming the output (``out``, ``weights``, ``lse``, ``max_scores``) and what differs.
+
+    Examples
+    --------
+    The same keywords as the call; here a causal call on 2 sequences of 1 head, with 5 and
+    3 valid keys, that also returns the log-sum-exp:
+
+    >>> import numpy as np
+    >>> from sdpa_array import scaled_dot_product_attention
+    >>> from sdpa_array.testing import assert_close_to_oracle
+    >>> q = np.random.default_rng(0).standard_normal((2, 1, 5, 4), dtype=np.float32)
+    >>> kw = dict(is_causal=True, key_lengths=np.array([5, 3]), return_lse=True)
+    >>> out, lse = scaled_dot_product_attention(q, q, q, **kw)
+    >>> assert_close_to_oracle((out, lse), q, q, q, **kw)
     """
     parts = result if isinstance(result, tuple) else (result,)
     expected = 1 + return_weights + return_lse + return_max_scores
@@ -311,6 +358,21 @@ def assert_vjp_close_to_oracle(
         Whether the backward ran a fused kernel in the inputs' dtype (see above).
     **options
         The call's other keyword arguments, as given to it.
+
+    Raises
+    ------
+    AssertionError
+        Naming the gradient and what differs.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa_array import scaled_dot_product_attention_vjp
+    >>> from sdpa_array.testing import assert_vjp_close_to_oracle
+    >>> q = np.random.default_rng(0).standard_normal((2, 5, 4), dtype=np.float32)
+    >>> grad_out = np.ones_like(q)
+    >>> grads = scaled_dot_product_attention_vjp(q, q, q, grad_out, is_causal=True)
+    >>> assert_vjp_close_to_oracle(grads, q, q, q, grad_out, is_causal=True)
     """
     dtype = dtype_name(query)
     q64, k64, v64, g64 = (_host(a) for a in (query, key, value, grad_output))

@@ -43,7 +43,17 @@ ALL_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 class BackendUnavailable(RuntimeError):
-    """Raised when a backend's library or device is not present on this machine."""
+    """Raised when a backend's library or device is not present on this machine.
+
+    Examples
+    --------
+    >>> from sdpa_array.testing import BackendUnavailable, get_backend
+    >>> try:
+    ...     get_backend("cupy").namespace()  # no CuPy, or no GPU
+    ... except BackendUnavailable:
+    ...     print("not here")
+    not here
+    """
 
 
 def _torch_device_present(device: str) -> bool:
@@ -200,6 +210,16 @@ class Backend:
         at once.
     _configure : callable, optional
         ``_configure()``: apply the settings of :meth:`configure`. Default: nothing.
+
+    Examples
+    --------
+    >>> from sdpa_array.testing import get_backend
+    >>> numpy = get_backend("numpy")
+    >>> numpy.module, numpy.device, numpy.dtypes
+    ('numpy', 'cpu', ('float16', 'float32', 'float64'))
+    >>> x = numpy.asarray([[1.0, 2.0]], dtype="float32")
+    >>> x.dtype
+    dtype('float32')
     """
 
     id: str
@@ -430,6 +450,12 @@ def get_backend(backend_id: str) -> Backend:
     ------
     ValueError
         If no backend has that id.
+
+    Examples
+    --------
+    >>> from sdpa_array.testing import get_backend
+    >>> get_backend("torch:cuda").needs_gpu
+    True
     """
     for b in BACKENDS:
         if b.id == backend_id:
@@ -446,5 +472,11 @@ def available_backends() -> list[Backend]:
     list of Backend
         The entries of :data:`BACKENDS` whose :meth:`Backend.is_available` is true, in
         their order.
+
+    Examples
+    --------
+    >>> from sdpa_array.testing import available_backends
+    >>> "numpy" in [b.id for b in available_backends()]
+    True
     """
     return [b for b in BACKENDS if b.is_available()]

@@ -89,6 +89,13 @@ def dtype_name(x: Any) -> str:
     ------
     TypeError
         If the dtype is none of these.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa_array.testing import dtype_name
+    >>> dtype_name(np.zeros(3, dtype=np.float16))
+    'float16'
     """
     name = str(x.dtype).rsplit(".", 1)[-1].strip("'>")
     if name not in UNIT_ROUNDOFF:
@@ -113,6 +120,12 @@ def compute_dtype(dtype: str) -> str:
     -------
     str
         ``"float64"`` for float64 inputs, ``"float32"`` for the others.
+
+    Examples
+    --------
+    >>> from sdpa_array.testing import compute_dtype
+    >>> compute_dtype("bfloat16"), compute_dtype("float64")
+    ('float32', 'float64')
     """
     return "float64" if dtype == "float64" else "float32"
 
@@ -233,6 +246,17 @@ def score_error(
     -------
     float
         Bound of the absolute error ``|ds|`` of any one score.
+
+    Examples
+    --------
+    Eight float32 queries and 32 keys of width 16, scale 1/4:
+
+    >>> import numpy as np
+    >>> from sdpa_array.testing import score_error
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.standard_normal((8, 16)), rng.standard_normal((32, 16))
+    >>> f"{score_error('float32', q, k, 0.25):.1e}"
+    '5.2e-06'
     """
     u = UNIT_ROUNDOFF[compute_dtype(dtype)]
     E = q.shape[-1]
@@ -342,6 +366,16 @@ def output_bound(
     -------
     float
         Bound of the absolute error of every entry of ``out``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa_array.testing import output_bound, score_error
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.standard_normal((8, 16)), rng.standard_normal((32, 16))
+    >>> ds = score_error("float32", q, k, 0.25)
+    >>> f"{output_bound('float32', S=32, ds=ds, v_max=1.0, out_max=1.0):.1e}"
+    '1.5e-05'
     """
     u_c = UNIT_ROUNDOFF[compute_dtype(dtype)]
     u_o = UNIT_ROUNDOFF[dtype]
@@ -389,6 +423,12 @@ def lse_bound(dtype: str, *, S: int, ds: float, lse_max: float, base2: bool = Fa
     float
         Bound of the absolute error of every finite log-sum-exp, ``ds + (S + 4) u_c (1 +
         lse_max)`` without ``base2``.
+
+    Examples
+    --------
+    >>> from sdpa_array.testing import lse_bound
+    >>> f"{lse_bound('float32', S=32, ds=5.2e-06, lse_max=4.0):.1e}"
+    '1.6e-05'
     """
     u_c = UNIT_ROUNDOFF[compute_dtype(dtype)]
     bound = ds + (S + 4) * u_c * (1 + lse_max)

@@ -79,6 +79,23 @@ def assert_varlen_close_to_oracle(
         What the call was asked for, and whether a fused kernel in the inputs' dtype ran.
     **options
         The call's other keyword arguments.
+
+    Raises
+    ------
+    AssertionError
+        Naming the output and what differs.
+
+    Examples
+    --------
+    Two sequences of 2 and 3 tokens packed into 5 rows, 2 heads of width 4:
+
+    >>> import numpy as np
+    >>> from sdpa_array import scaled_dot_product_attention_varlen
+    >>> from sdpa_array.testing import assert_varlen_close_to_oracle
+    >>> x = np.random.default_rng(0).standard_normal((5, 2, 4), dtype=np.float32)
+    >>> offsets = np.array([0, 2, 5])
+    >>> out = scaled_dot_product_attention_varlen(x, x, x, offsets, is_causal=True)
+    >>> assert_varlen_close_to_oracle(out, x, x, x, offsets, is_causal=True)
     """
     parts = result if isinstance(result, tuple) else (result,)
     expected = 1 + return_lse + return_max_scores
@@ -138,6 +155,22 @@ def assert_varlen_vjp_close_to_oracle(
         Whether the backward ran a fused kernel in the inputs' dtype.
     **options
         The call's other keyword arguments.
+
+    Raises
+    ------
+    AssertionError
+        Naming the gradient and what differs.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa_array import scaled_dot_product_attention_varlen_vjp
+    >>> from sdpa_array.testing import assert_varlen_vjp_close_to_oracle
+    >>> x = np.random.default_rng(0).standard_normal((5, 2, 4), dtype=np.float32)
+    >>> offsets = np.array([0, 2, 5])
+    >>> g = np.ones_like(x)
+    >>> grads = scaled_dot_product_attention_varlen_vjp(x, x, x, g, offsets, is_causal=True)
+    >>> assert_varlen_vjp_close_to_oracle(grads, x, x, x, g, offsets, is_causal=True)
     """
     cq, ck = _offsets(cu_seqlens_q, cu_seqlens_k)
     q64, k64, v64, g64 = _padded_heads_first((query, key, value, grad_output), (cq, ck, ck, cq))

@@ -153,6 +153,18 @@ def vjp_oracle_and_bounds(
         ``sinks`` is given and ``dScale`` when ``scale`` is an array.
     bounds : list of numpy.ndarray
         The element-wise bound of each, in the same order and shapes.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sdpa_array.testing import vjp_oracle_and_bounds
+    >>> q = np.random.default_rng(0).standard_normal((2, 5, 4)).astype(np.float32)
+    >>> x = q.astype(np.float64)  # what a float32 implementation received
+    >>> expected, bounds = vjp_oracle_and_bounds("float32", x, x, x, np.ones_like(x))
+    >>> [e.shape for e in expected]
+    [(2, 5, 4), (2, 5, 4), (2, 5, 4)]
+    >>> bool(np.all(bounds[0] < 1e-3))
+    True
     """
     softcap = options.get("softcap")
     with_parameters = bool(options.get("return_mod_gradients", False))

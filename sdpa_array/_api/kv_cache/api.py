@@ -164,7 +164,7 @@ def attention_with_kv_cache(
     Examples
     --------
     >>> import numpy as np
-    >>> from sdpa_array._api.kv_cache import attention_with_kv_cache
+    >>> from sdpa_array import attention_with_kv_cache
     >>> k_cache = np.zeros((1, 1, 4, 2))  # B=1, Hkv=1, S_max=4, E=2
     >>> v_cache = np.zeros((1, 1, 4, 1))
     >>> k_cache[0, 0, :2] = [[1.0, 0.0], [0.0, 1.0]]  # two tokens already cached

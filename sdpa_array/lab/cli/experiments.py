@@ -66,7 +66,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     ),
     Experiment(
         "gradient_flow",
-        "3. The gradient reaching Q, for scales 1, 1/sqrt(d_k), 1/d_k",
+        "3. The gradient reaching Q, for scales 1, 1/sqrt(E), 1/E",
         lambda b: lab.gradient_flow(backend=b),
         lab.table_gradient_flow,
         lab.draw_gradient_flow,

@@ -2,7 +2,7 @@
 A worked example, and its hand-computed figures
 ===============================================
 
-:ref:`theory-worked-example` works through ``d_k = 2``, ``Q = [[1, 2], [3, 4]]``,
+:ref:`theory-worked-example` works through :math:`E = 2`, ``Q = [[1, 2], [3, 4]]``,
 ``K = [[5, 6], [7, 8], [9, 10]]``, ``V = [[1, 0, 1], [0, 1, 0], [1, 1, 0]]``. A hand
 computation of the same example, from which this project started, published rounded figures
 (kept as ``sdpa_array.lab.PUBLISHED``).

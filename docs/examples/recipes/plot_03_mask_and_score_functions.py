@@ -1,6 +1,6 @@
-"""
-Mask functions and their block masks
-====================================
+r"""
+Document masks and score functions with block sparsity
+=======================================================
 
 A *mask function* ``mask_mod(batch, head, q_idx, kv_idx)`` says which keys each query may
 attend to as a function of the positions (FlexAttention style), instead of an ``(L, S)``
@@ -9,7 +9,15 @@ evaluates one once on NumPy indices and classifies each ``block_q x block_k`` ti
 score matrix as *empty* (no pair may attend), *full* (every pair may) or *partial*. Passed
 as ``mask_mod``, the resulting :class:`sdpa_array.BlockMask` lets the blocked kernel skip
 the empty tiles, attend the full ones without evaluating the function, and evaluate it
-only on the partial ones (see :doc:`/semantics`, "Mask and bias functions").
+only on the partial ones (see :doc:`/semantics`, "Mask and bias functions"). With
+:math:`M` the mask and :math:`f` a *score function* (``score_mod``), the weights are
+
+.. math::
+
+   P_{ij} = \frac{M_{ij}\, \exp f(z_{ij})}{\sum_{j'} M_{ij'}\, \exp f(z_{ij'})},
+   \qquad z_{ij} = \frac{q_i \cdot k_j}{\sqrt{E}} ,
+
+and a tile where :math:`M` is all zero contributes nothing: its work is skipped.
 
 Three mods, each drawn as its element mask at a small size (grid lines: the blocks), the
 block mask of that small size, and the block mask of a realistic size with FlexAttention's
@@ -19,6 +27,9 @@ block mask of that small size, and the block mask of a realistic size with FlexA
 * ``mods.and_masks(mods.causal(), mods.sliding_window(w, None))``: sliding-window causal
   attention over the last ``w + 1`` keys;
 * ``mods.prefix_lm``: bidirectional attention within a prefix, causal after it.
+
+Then an ALiBi bias function, a score function (Gemma 2's soft-cap and a temperature per
+head), and :func:`sdpa_array.explain`, which says what a call will run.
 """
 
 # %%
@@ -27,7 +38,13 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from sdpa_array import BlockMask, create_block_mask, mods, scaled_dot_product_attention
+from sdpa_array import (
+    BlockMask,
+    create_block_mask,
+    explain,
+    mods,
+    scaled_dot_product_attention,
+)
 
 SMALL, SMALL_BLOCK = 64, 8  # element masks: 64 x 64, blocks of 8
 LARGE, LARGE_BLOCK = 4096, 128  # a realistic size, FlexAttention's blocks
@@ -194,3 +211,53 @@ for head, ax in enumerate(axes):
 axes[0].set_ylabel("queries")
 fig.colorbar(image, ax=axes, shrink=0.8, label="bias (white: masked)")
 plt.show()
+
+# %%
+# Score functions
+# ---------------
+#
+# ``score_mod(score, batch, head, q_idx, kv_idx)`` rewrites each scaled score before the
+# softmax. ``mods.tanh_softcap(c)`` is Gemma 2's logit cap :math:`c \tanh(z / c)`, the
+# same as ``softcap=c``; ``mods.temperature(t)`` divides head :math:`h`'s scores by
+# :math:`t_h`. Both carry their derivative, so the VJP works on NumPy too; a function of
+# your own gets one with :func:`sdpa_array.mods.score_function`. Score functions combine
+# with the document mask's block sparsity.
+
+capped = scaled_dot_product_attention(
+    q, k, v, mask_mod=doc_blocks, score_mod=mods.tanh_softcap(5.0)
+)
+reference = scaled_dot_product_attention(q, k, v, mask=dense_mask, softcap=5.0)
+print(f"tanh_softcap(5) vs softcap=5: max |diff| = {np.abs(capped - reference).max():.2e}")
+
+temperatures = np.array([0.5, 1.0, 2.0, 4.0])
+cooled = scaled_dot_product_attention(
+    q, k, v, mask_mod=doc_blocks, score_mod=mods.temperature(temperatures)
+)
+rescaled = np.stack(
+    [
+        scaled_dot_product_attention(
+            q[:, h], k[:, h], v[:, h], mask=dense_mask, scale=1 / (np.sqrt(E) * t)
+        )
+        for h, t in enumerate(temperatures)
+    ],
+    axis=1,
+)
+print(f"temperature per head vs scale per head: max |diff| = {np.abs(cooled - rescaled).max():.2e}")
+
+square = mods.score_function(
+    lambda s, b, h, i, j: -(s * s), lambda s, b, h, i, j: -2 * s
+)  # a function of your own, with its derivative
+print("own score function:", scaled_dot_product_attention(q, k, v, score_mod=square).shape)
+
+# %%
+# What runs: ``explain``
+# ----------------------
+#
+# :func:`sdpa_array.explain` takes a call's arguments and says which implementation
+# ``"auto"`` picks for the forward pass and the gradients, and why the others were passed
+# over. A long document-masked call runs the blocked kernel, which skips the empty tiles.
+
+long_q = np.zeros((1, 4, 4096, 64), dtype=np.float32)
+long_blocks = create_block_mask(document_mod(4096), None, None, 4096, 4096)
+print(explain(long_q, long_q, long_q, mask_mod=long_blocks))
+print(f"tiles skipped: {long_blocks.sparsity:.0%}")
