@@ -474,26 +474,7 @@ def scaled_dot_product_attention(
         run = cache.direct(query, key, value, (is_causal, scale, enable_gqa), implementation)
         if run is not None:
             return run(query, key, value)
-    options = Options(
-        mask=mask,
-        bias=bias,
-        is_causal=is_causal,
-        window=window,
-        alignment=alignment,
-        scale=scale,
-        softcap=softcap,
-        enable_gqa=enable_gqa,
-        query_lengths=query_lengths,
-        key_lengths=key_lengths,
-        padding_side=padding_side,
-        segment_ids=segment_ids,
-        sinks=sinks,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-        mask_mod=mask_mod,
-        bias_mod=bias_mod,
-        score_mod=score_mod,
-    )
+    options = Options.gather(locals())
     outputs = Outputs.of(return_weights, return_lse, return_max_scores)
     check_layout(layout, {"query": query, "key": key, "value": value})
 

@@ -217,26 +217,7 @@ def scaled_dot_product_attention_vjp(
            [0.3333],
            [0.3333]])
     """
-    options = Options(
-        mask=mask,
-        bias=bias,
-        is_causal=is_causal,
-        window=window,
-        alignment=alignment,
-        scale=scale,
-        softcap=softcap,
-        enable_gqa=enable_gqa,
-        query_lengths=query_lengths,
-        key_lengths=key_lengths,
-        padding_side=padding_side,
-        segment_ids=segment_ids,
-        sinks=sinks,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-        mask_mod=mask_mod,
-        bias_mod=bias_mod,
-        score_mod=score_mod,
-    )
+    options = Options.gather(locals())
     check_layout(layout, {"query": query, "key": key, "value": value, "grad_output": grad_output})
     if layout == "BLHE":  # computed heads-first on views, the gradients swapped back
         calls: dict[str, Any] = {

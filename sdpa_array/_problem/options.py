@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,12 @@ class Options:
         if unknown:
             raise TypeError(unexpected_keywords(where, unknown, NAMES))
         return cls(**options)
+
+    @classmethod
+    def gather(cls, names: Mapping[str, Any]) -> Options:
+        """The record of the options among ``names``: a public function's ``locals()``,
+        whose keywords are the options one by one (its other names are left out)."""
+        return cls(**{name: names[name] for name in NAMES if name in names})
 
     def replace(self, **changes: Any) -> Options:
         """A copy with ``changes``."""

@@ -149,20 +149,7 @@ def scaled_dot_product_attention_varlen(
     True
     """
     packed = check_packed(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    options = Options(
-        is_causal=is_causal,
-        window=window,
-        alignment=alignment,
-        scale=scale,
-        softcap=softcap,
-        enable_gqa=enable_gqa,
-        sinks=sinks,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-        mask_mod=mask_mod,
-        bias_mod=bias_mod,
-        score_mod=score_mod,
-    )
+    options = Options.gather(locals())
     outputs = Outputs.of(False, return_lse, return_max_scores)
     calls = sequences(query, key, value, packed, options)
     if packed.count and eager_jax([query, key, value]):  # compiled whole, per set of offsets

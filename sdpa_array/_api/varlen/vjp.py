@@ -100,20 +100,7 @@ def scaled_dot_product_attention_varlen_vjp(
     array([1., 1., 1.])
     """
     packed = check_packed(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    options = Options(
-        is_causal=is_causal,
-        window=window,
-        alignment=alignment,
-        scale=scale,
-        softcap=softcap,
-        enable_gqa=enable_gqa,
-        sinks=sinks,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-        mask_mod=mask_mod,
-        bias_mod=bias_mod,
-        score_mod=score_mod,
-    )
+    options = Options.gather(locals())
     first = sequences(query, key, value, packed, options, limit=1)[0]  # the options checked
     p = first.problem
     check_cotangent(query, grad_output, (int(query.shape[0]), p.heads_q, p.Ev))
