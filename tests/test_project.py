@@ -133,3 +133,33 @@ def test_readme_development_tree_names_modules_that_exist():
     assert folders - present_folders == set()
     for dotted in re.findall(r"`(_[a-z_]+)\.[A-Z_]+`", text):  # e.g. `_module.NAME`
         assert dotted in present_folders | {name[:-3] for name in present}, dotted
+
+
+def _resolve(dotted: str) -> object:
+    """The object a dotted name (a module, then attributes) names."""
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(dotted)
+
+
+def test_architecture_page_names_what_exists():
+    """The architecture page's way of one call, and every module it names, exist (its
+    picture is drawn from the same list and the import contract)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split(":name: call-path", 1)[1].split("```", 1)[0]
+    steps = [line.strip() for line in block.splitlines() if line.strip()]
+    assert len(steps) >= 10
+    assert len(steps) <= 25  # the way of one call stays short
+    named = set(re.findall(r"`(sdpa_array(?:\.\w+)+)`", text))
+    assert named
+    for dotted in [*steps, *sorted(named)]:
+        assert _resolve(dotted) is not None, dotted

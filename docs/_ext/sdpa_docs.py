@@ -105,9 +105,12 @@ def _write_snippets(app: Sphinx) -> None:
         path = out / name
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             path.write_text(text, encoding="utf-8")
+    import architecture_diagram
     import performance_history
 
     performance_history.write(ASV / "results", Path(app.srcdir) / "generated")
+    generated = Path(app.srcdir) / "generated" / "architecture" / "layers.png"
+    architecture_diagram.draw(generated, Path(app.srcdir) / "architecture.md")
 
 
 def _copy_asv_pages(app: Sphinx, exception: Exception | None) -> None:
