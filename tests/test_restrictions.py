@@ -341,3 +341,70 @@ def test_band_plans_are_planned_once(monkeypatch):
     mask = DenseMask(np.ones((300, 300), dtype=bool), 300)
     plan_blocks(Restrictions((mask,), 300, 300), 64, 32)
     assert len(planned) == 1
+
+
+def _document_restrictions(kind: str, n: int, length: int, heads: int = 2):
+    """The restrictions of ``n`` documents of ``length`` packed in one sequence, as the
+    blocked kernel prepares them, with its block sizes."""
+    from sdpa_array import mods
+    from sdpa_array._kernels.operands import prepare
+    from sdpa_array._kernels.tiling import choose_block_sizes
+    from sdpa_array._problem.problem import Inputs
+
+    q = np.zeros((1, heads, n * length, 16), dtype=np.float32)
+    doc = np.repeat(np.arange(n), length)
+    options = {
+        "mask_mod": Options(mask_mod=mods.document(doc, doc)),
+        "segment_ids": Options(segment_ids=(doc, doc)),
+    }[kind]
+    p = validate(q, q, q, options)
+    return prepare(p, Inputs.of(q, q, q, options, p)).restrictions, choose_block_sizes(p)
+
+
+@pytest.mark.parametrize("kind", ["mask_mod", "segment_ids"])
+@pytest.mark.parametrize(("n", "length"), [(8, 256), (4, 512), (16, 256)])
+def test_documents_plan_visits_only_their_own_tiles(kind, n, length):
+    """Packed documents cost the documents as a batch: with the rows cut to each tile's
+    queries, every tile the forward plan visits is one document's keys against its own
+    queries, whole (no mask), whatever the query block spans; no tile of the plan is empty."""
+    r, (bq, bk) = _document_restrictions(kind, n, length)
+    r = r.at((0, 0)) if r.per_sequence else r
+    blocks = plan_blocks(r, bq, bk, cut_rows=True)
+    tiles = [(b, t) for b in blocks for t in b.tiles]
+    visited = sum(
+        (t.stop - t.start) * ((t.rows or (b.start, b.stop))[1] - (t.rows or (b.start, b.stop))[0])
+        for b, t in tiles
+    )
+    assert visited == n * length * length  # the documents' own pairs, each once
+    assert all(t.kind is TileKind.FULL for _, t in tiles)
+    for b, t in tiles:
+        rows = t.rows or (b.start, b.stop)
+        assert rows[0] // length == (rows[1] - 1) // length == t.start // length
+
+
+@pytest.mark.parametrize("kind", ["mask_mod", "segment_ids"])
+def test_no_plan_keeps_an_empty_tile(kind):
+    r, (bq, bk) = _document_restrictions(kind, 3, 100)
+    r = r.at((0, 0)) if r.per_sequence else r
+    for size in [(bq, bk), (64, 32), (128, 48)]:
+        for block in plan_blocks(r, *size, cut_rows=True):
+            for t in block.tiles:
+                rows = slice(*(t.rows or (block.start, block.stop)))
+                assert r.classify(rows, slice(t.start, t.stop)) is not TileKind.EMPTY
+
+
+def test_sequences_restrictions_plan_once_for_every_head(monkeypatch):
+    """Segment ids admit the same pairs in every head: the blocked forward plans each
+    sequence once, not once per head."""
+    import sdpa_array
+    from sdpa_array._kernels import blocked
+
+    calls = []
+    real = blocked.plan_blocks
+    monkeypatch.setattr(blocked, "plan_blocks", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q = np.random.default_rng(0).standard_normal((2, 4, 512, 16)).astype(np.float32)
+    doc = np.repeat(np.arange(4), 128)
+    sdpa_array.scaled_dot_product_attention(
+        q, q, q, segment_ids=(doc, doc), implementation="blocked", block_q=64, block_k=64
+    )
+    assert 1 <= len(calls) <= 2  # the two sequences (batch elements), never the 8 heads

@@ -248,12 +248,17 @@ def blocked_attention(
     # with the fixed reference a tile may cover some of its block's rows (cut_rows), and
     # rows admitting at most one key have blocks of their own, with a running maximum
     if per_sequence:  # each sequence skips the tiles its own lengths or segments exclude
-        plans = {
-            index: plan_blocks(
-                ops.restrictions.at(index), bq, bk, cut_rows=fixed, narrow_rows=fixed
-            )
-            for index in outer
-        }
+        # one plan per sequence where the restrictions are the same for every head
+        heads_alike = ops.restrictions.same_for_every_head
+        made: dict[tuple[int, ...], list[QueryBlock]] = {}
+        plans = {}
+        for index in outer:
+            key = index[: len(p.sequence_batch)] if heads_alike else index
+            if key not in made:
+                made[key] = plan_blocks(
+                    ops.restrictions.at(index), bq, bk, cut_rows=fixed, narrow_rows=fixed
+                )
+            plans[index] = made[key]
     else:
         shared = plan_blocks(ops.restrictions, bq, bk, cut_rows=fixed, narrow_rows=fixed)
         plans = dict.fromkeys(outer, shared)

@@ -239,6 +239,17 @@ class ModMask:
             return 0, 0
         return _longest_run(np.all(blocks[1], axis=0), self.classes.block_k, self.S)
 
+    def query_range(self, k_start: int, k_stop: int) -> tuple[int, int]:
+        """Queries outside which none may attend a key of ``[k_start, k_stop)``: the span
+        of the query blocks whose classes admit a pair there (every query where the
+        blocks are not classified)."""
+        reduced = self.classes.reduced()
+        if reduced is None:
+            return 0, self.L
+        bk = self.classes.block_k
+        span = slice(k_start // bk, -(-k_stop // bk))
+        return _span(np.any(reduced[0][:, span], axis=1), self.classes.block_q, self.L)
+
     def classify(self, rows: slice, cols: slice) -> TileKind:
         """The tile's class from the blocks it overlaps (partial when not classified).
 

@@ -77,7 +77,9 @@ class Restriction(Protocol):
     # ``full_rows(k_start, k_stop) -> (lo, hi)``, queries that may attend every key of the
     # range (a band's): a tile's mask then leaves out a run of such rows at either end. A
     # member may define ``mask_key(rows, cols)``, a key equal for tiles with equal masks in
-    # every batch slice (a band's): the kernels then build each such mask once per call.
+    # every batch slice (a band's): the kernels then build each such mask once per call. A
+    # member may set ``same_for_every_head = True`` when it admits the same pairs in every
+    # head of a sequence: the kernels then plan each sequence once.
 
 
 def _member_kind(
@@ -218,6 +220,12 @@ class Restrictions:
             a, b = m.full_range(q_start, q_stop)
             lo, hi = max(lo, a), min(hi, b)
         return lo, max(lo, hi)
+
+    @property
+    def same_for_every_head(self) -> bool:
+        """Whether every member admits the same pairs in every head of a sequence (those
+        that say so: lengths, segment ids, bands; a mask or a mask function may differ)."""
+        return all(getattr(m, "same_for_every_head", False) for m in self.members)
 
     def query_range(self, k_start: int, k_stop: int) -> tuple[int, int]:
         """Queries outside which none may attend a key of ``[k_start, k_stop)``

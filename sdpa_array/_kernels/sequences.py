@@ -61,6 +61,9 @@ def _place(p: Problem, module: Any, x: Any, kind: str) -> Any:
 class SequenceLengths:
     """Valid queries and keys per sequence (see the module docstring)."""
 
+    #: The same pairs in every head of a sequence (:class:`Restrictions`).
+    same_for_every_head = True
+
     q: Array
     k: Array
     q_host: np.ndarray | None
@@ -118,6 +121,9 @@ class SequenceLengths:
 class ShiftedBand:
     """A causal/window :class:`Band` whose diagonal offset differs between sequences."""
 
+    #: The same pairs in every head of a sequence (:class:`Restrictions`).
+    same_for_every_head = True
+
     band: Band
     offset: Array
     host: np.ndarray | None
@@ -154,12 +160,16 @@ class ShiftedBand:
 class SegmentIds:
     """Segment ids of queries ``(..., L, 1)`` and keys ``(..., 1, S)`` in the kernel layout."""
 
+    #: The same pairs in every head of a sequence (:class:`Restrictions`).
+    same_for_every_head = True
+
     q: Array
     k: Array
     q_host: np.ndarray | None
     k_host: np.ndarray | None
     S: int
     per_sequence: bool = True
+    L: int = 0
 
     def _ids(self, q_start: int, q_stop: int) -> np.ndarray:
         assert self.q_host is not None
@@ -177,6 +187,17 @@ class SegmentIds:
             return 0, self.S
         hit = np.flatnonzero(np.any(np.isin(self._keys(), self._ids(q_start, q_stop)), axis=0))
         return (int(hit[0]), int(hit[-1]) + 1) if hit.size else (0, 0)
+
+    def query_range(self, k_start: int, k_stop: int) -> tuple[int, int]:
+        """Queries outside which none may attend a key of ``[k_start, k_stop)``: from the
+        first to the last query, in any sequence, whose segment is one of those keys'."""
+        if self.q_host is None or self.k_host is None:
+            return 0, self.L
+        keys = self.k_host[..., :, k_start:k_stop] if self.k_host.shape[-1] != 1 else self.k_host
+        queries = np.broadcast_to(self.q_host, (*self.q_host.shape[:-2], self.L, 1))
+        hit = np.any(np.isin(np.reshape(queries, (-1, self.L)), np.unique(keys)), axis=0)
+        rows = np.flatnonzero(hit)
+        return (int(rows[0]), int(rows[-1]) + 1) if rows.size else (0, 0)
 
     def full_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
         if self.q_host is None or self.k_host is None:
@@ -256,6 +277,7 @@ def sequence_members(p: Problem) -> tuple[list[Restriction], bool]:
                 q_host=None if seg.query_host is None else _place(p, np, seg.query_host, "query"),
                 k_host=None if seg.key_host is None else _place(p, np, seg.key_host, "key"),
                 S=p.S,
+                L=p.L,
             )
         )
     return members, replaces_band

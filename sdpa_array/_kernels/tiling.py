@@ -241,7 +241,8 @@ def _tiles(
             m = b  # the tile's mask leaves out those rows by itself: one tile
         if a < m:
             kind = r.classify(slice(a, m), cols)
-            tiles.append(KeyTile(cols.start, cols.stop, kind, _cut(a, m, rows)))
+            if kind is not TileKind.EMPTY:  # the full rows' tile may be all it has
+                tiles.append(KeyTile(cols.start, cols.stop, kind, _cut(a, m, rows)))
         if m < b:
             tiles.append(KeyTile(cols.start, cols.stop, TileKind.FULL, _cut(m, b, rows)))
     return tiles

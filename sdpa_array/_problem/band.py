@@ -52,6 +52,9 @@ class Band:
         Key index of query 0's diagonal.
     """
 
+    #: The same pairs in every head of a sequence (:class:`Restrictions`).
+    same_for_every_head = True
+
     L: int
     S: int
     is_causal: bool
