@@ -443,3 +443,26 @@ def test_names():
     for text, mod in named.items():
         assert repr(mod) == text
         assert mod.__name__ == text.partition("(")[0]
+
+
+@given(
+    ids=st.lists(st.integers(0, 3), min_size=1, max_size=70),
+    sort=st.booleans(),
+    block=st.sampled_from([1, 4, 16]),
+)
+def test_document_block_classes_from_ids_never_contradict_the_mask(ids, sort, block):
+    """The document mask's classes from its ids' ranges: a block called empty or full is
+    so on the evaluated mask; for packed documents numbered in order (each id the last one
+    or one more) they equal the evaluated classes."""
+    from sdpa_array._problem import block_mask
+
+    doc = np.array(sorted(ids) if sort else ids)
+    n = len(doc)
+    mod = mods.document(doc, doc)
+    mine = mod.block_classes(1, n, n, block, block)
+    evaluated = block_mask._evaluate(mod, (1,), (1,), n, n, block, block)
+    assert mine.shape == evaluated.shape
+    claimed = mine != block_mask.PARTIAL
+    assert np.array_equal(mine[claimed], evaluated[claimed])
+    if np.all(np.isin(np.diff(doc), (0, 1))):
+        assert np.array_equal(mine, evaluated)

@@ -341,6 +341,10 @@ def _classify(
     library, as every call of a user's function is made (not on a GPU, where reading the
     classes back would wait for the device: there its tiles are all evaluated)."""
     if isinstance(mod, NamedMod) and mod.host_equivalent:
+        by_data = getattr(mod, "block_classes", None)  # classes from the mod's data alone
+        kinds = None if by_data is None else by_data(batch[0], p.L, p.S, HOST_BLOCK, HOST_BLOCK)
+        if kinds is not None and kinds.shape[0] in (1, batch[0]):
+            return kinds
         return classify_on_host(mod, batch, heads, p.L, p.S)
     if p.on_gpu:
         return None
