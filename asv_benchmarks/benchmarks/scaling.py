@@ -168,3 +168,31 @@ class DocumentSparsity:
         return ratios[documents]["segment_ids"]
 
     track_segment_ids_ratio.unit = "ratio"  # type: ignore[attr-defined]
+
+
+#: The libraries whose versions :class:`Versions` records.
+LIBRARIES = ["numpy", "torch", "sdpa_array"]
+
+
+class Versions:
+    """The versions of the libraries measured, recorded beside the figures: asv keeps no
+    versions for a run in an existing environment (``--python=same``), and the performance
+    page names them under each figure."""
+
+    param_names: ClassVar = ["library"]
+    params: ClassVar = [LIBRARIES]
+
+    def track_version(self, library: str) -> int:
+        """``major * 10000 + minor * 100 + patch`` of ``library``'s ``__version__``
+        (2.13.0 is 21300)."""
+        import importlib
+        import re
+
+        try:
+            version = importlib.import_module(library).__version__
+        except ImportError as exc:
+            raise NotImplementedError(f"{library} is not installed") from exc
+        major, minor, patch = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version).groups("0")
+        return int(major) * 10000 + int(minor) * 100 + int(patch)
+
+    track_version.unit = "version"  # type: ignore[attr-defined]
