@@ -7,6 +7,7 @@ import ast
 import doctest
 import importlib
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -144,3 +145,221 @@ def test_landing_page_code_runs_and_prints_what_it_says(library, capsys):
     assert len([ln for ln in block.splitlines() if ln.strip()]) == 5
     exec(compile(block, f"docs/index.md ({library})", "exec"), {})
     assert capsys.readouterr().out.strip() == printed_comment(block)
+
+
+# --- The pages speak of the library as it is ------------------------------------------------
+
+#: Mentions of the development's bookkeeping: an issue or a stop by number.
+BOOKKEEPING = re.compile(r"\bissues?\s*#?\d+|\bstops?[- ]\d+", flags=re.I)
+
+#: A private module's path (``sdpa_array._plan``, ``sdpa_array/_kernels/...``), not a
+#: dunder (``sdpa_array.__version__``).
+PRIVATE_PATH = re.compile(r"sdpa_array[./]_(?!_)\w")
+
+#: The pages for developers, which name the private modules on purpose.
+DEVELOPER_PAGES = ("docs/architecture.md",)
+
+
+def doc_pages() -> list[Path]:
+    """The docs' own pages, the gallery's sources and the README."""
+    docs = ROOT / "docs"
+    return [
+        *sorted(docs.glob("*.md")),
+        *sorted((docs / "examples").rglob("*.py")),
+        ROOT / "README.md",
+    ]
+
+
+def package_prose() -> list[tuple[str, str]]:
+    """``(place, text)`` of every comment and string (docstrings among them) in the package."""
+    import io
+    import tokenize
+
+    found = []
+    for path in sorted((ROOT / "sdpa_array").rglob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type in (tokenize.COMMENT, tokenize.STRING):
+                place = f"{path.relative_to(ROOT)}:{token.start[0]}"
+                found.append((place, token.string))
+    return found
+
+
+def matches(pattern: re.Pattern[str], places: list[tuple[str, str]]) -> list[str]:
+    """``place: match`` for each match of ``pattern`` in the texts of ``places``."""
+    return [f"{place}: {m.group()}" for place, text in places for m in pattern.finditer(text)]
+
+
+def page_texts(skip: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    pages = [p for p in doc_pages() if str(p.relative_to(ROOT)) not in skip]
+    assert len(pages) > 10  # the walk found the docs
+    return [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8")) for p in pages]
+
+
+def test_no_page_mentions_an_issue_or_a_stop():
+    assert matches(BOOKKEEPING, page_texts()) == []
+
+
+def test_no_comment_or_docstring_mentions_an_issue_or_a_stop():
+    prose = package_prose()
+    assert len(prose) > 1000  # the walk found the package
+    assert matches(BOOKKEEPING, prose) == []
+
+
+def test_user_pages_and_public_docstrings_name_no_private_module():
+    assert matches(PRIVATE_PATH, page_texts(skip=DEVELOPER_PAGES)) == []
+    docstrings = [(name, inspect.getdoc(obj) or "") for name, obj in public_callables()]
+    assert matches(PRIVATE_PATH, docstrings) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        ("(issue 28, 2026-11-27)", True),
+        ("issues 27 and 25", True),
+        ("issue #3", True),
+        ("Causal calls (stop 19)", True),
+        ("stop-20", True),
+        ("the loop stops at the diagonal; 3 issues remain open", False),
+    ],
+)
+def test_bookkeeping_pattern(text, found):
+    assert bool(BOOKKEEPING.search(text)) is found
+
+
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        ("`sdpa_array._plan.dispatch`", True),
+        ("sdpa_array/_kernels/blocked.py", True),
+        ("sdpa_array.__version__", False),
+        ("sdpa_array.mods.document", False),
+    ],
+)
+def test_private_path_pattern(text, found):
+    assert bool(PRIVATE_PATH.search(text)) is found
+
+
+# --- The performance page --------------------------------------------------------------------
+
+PERFORMANCE = ROOT / "docs" / "performance.md"
+
+
+def test_performance_page_is_short_and_undated():
+    text = PERFORMANCE.read_text(encoding="utf-8")
+    assert len(text.split()) < 1500
+    assert re.findall(r"\b20\d\d-\d\d-\d\d\b", text) == []
+    for label in ("(performance-history)=", "(auto-thresholds)=", "(gpu)=", "(reproduce)="):
+        assert label in text
+
+
+def test_performance_page_thresholds_are_the_codes():
+    from sdpa_array._plan.dispatch import AUTO_BLOCKED_BYTES_BY_LIBRARY, AUTO_MAX_SCORE_BYTES
+
+    text = PERFORMANCE.read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| ([\w -]+?)(?: \(.*?\))? \| (\d+) MiB", text, flags=re.M))
+    names = {
+        "numpy": "NumPy",
+        "jax": "JAX",
+        "torch": "torch",
+        "array_api_strict": "array-api-strict",
+    }
+    assert {names[k]: v for k, v in AUTO_BLOCKED_BYTES_BY_LIBRARY.items()} == {
+        name: int(rows[name]) * 2**20 for name in names.values()
+    }
+    assert f"Above {AUTO_MAX_SCORE_BYTES // 2**20} MiB" in text
+
+
+def figures_module():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    try:
+        import performance_figures
+    finally:
+        sys.path.remove(str(ROOT / "docs" / "_ext"))
+    return performance_figures
+
+
+def write_result(folder: Path, commit: str, results: dict, requirements: dict | None = None):
+    """One asv result file, as ``asv run`` writes it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {
+        "commit_hash": commit,
+        "env_name": "existing-py",
+        "date": 1795708850000,
+        "params": {"machine": folder.name, "python": "3.11"},
+        "python": "3.11",
+        "requirements": requirements or {},
+        "result_columns": ["result", "params", "version", "started_at", "duration"],
+        "results": results,
+        "version": 2,
+    }
+    (folder / f"{commit[:8]}-existing-py.json").write_text(json.dumps(data))
+
+
+def test_performance_figures_draw_the_results_with_machine_versions_and_commit(tmp_path):
+    pytest.importorskip("matplotlib")
+    figures = figures_module()
+    machine = tmp_path / "results" / "box-2cpu"
+    machine.mkdir(parents=True)
+    (machine / "machine.json").write_text(json.dumps({"cpu": "Some CPU", "num_cpu": "2"}))
+    lengths = ["256", "512"]
+    scaling = [["'cpu-float32'", "'cuda-float16'"], lengths]
+    write_result(
+        machine,
+        "a" * 40,
+        {
+            "scaling.TorchScaling.track_forward_ratio": [[1.25, 0.75, None, None], scaling, "v", 2],
+            "scaling.TorchScaling.track_backward_ratio": [[2.5, 1.5, None, None], scaling, "v", 2],
+            "scaling.DocumentSparsity.track_mask_mod_ratio": [[1.0, 0.625], [["1", "2"]], "v", 2],
+            "scaling.Versions.track_version": [[20406, 21300], [["'numpy'", "'torch'"]], "v", 2],
+            "accuracy.AccuracyVersusTorch.track_error_ratio": [
+                [0.875, None],
+                [["'numpy'"], ["'float32'", "'bfloat16'"], ["'blocked'"], ["'E64-unit'"]],
+                "v",
+                2,
+            ],
+        },
+    )
+    generated = tmp_path / "generated"
+    figures.write(tmp_path / "results", generated)
+    snippets = {
+        name: (generated / "snippets" / f"performance_{name}.md").read_text()
+        for name in ("scaling", "accuracy", "documents")
+    }
+    for name, text in snippets.items():
+        assert (generated / "performance" / f"{name}.png").stat().st_size > 1000
+        assert f"/generated/performance/{name}.png" in text
+        assert "`box-2cpu` (Some CPU, 2 CPUs)" in text
+        assert "commit `aaaaaaaa`" in text
+    assert "numpy 2.4.6, torch 2.13.0" in snippets["scaling"]
+    assert "| 1.25 | 0.75 |" in snippets["scaling"]  # forward
+    assert "| 2.50 | 1.50 |" in snippets["scaling"]  # backward
+    assert "cuda-float16" not in snippets["scaling"]  # no GPU results: no GPU lines
+    assert "| 1.00 | 0.62 |" in snippets["documents"]  # mask_mod
+    assert "| 1.00 | 0.50 |" in snippets["documents"]  # the ideal, 1 / documents
+    assert "0.88" in snippets["accuracy"]
+    assert "bfloat16" not in snippets["accuracy"]  # skipped everywhere: no row
+
+
+def test_performance_figures_without_results_say_so(tmp_path):
+    figures = figures_module()
+    figures.write(tmp_path / "results", tmp_path / "generated")
+    for name in ("scaling", "accuracy", "documents"):
+        text = (tmp_path / "generated" / "snippets" / f"performance_{name}.md").read_text()
+        assert text.startswith("*No results")
+
+
+def test_committed_results_draw_every_performance_figure():
+    figures = figures_module()
+    found = figures.read(ROOT / "asv_benchmarks" / "results")
+    for name in (
+        figures.SCALING.format("forward"),
+        figures.SCALING.format("backward"),
+        figures.ACCURACY,
+        figures.DOCUMENTS.format("mask_mod"),
+        figures.DOCUMENTS.format("segment_ids"),
+    ):
+        (cpu,) = [m for m in found.get(name, []) if m.run.machine == "amd-epyc-2cpu-avx512"]
+        assert any(v is not None for v in cpu.values.values()), name

@@ -16,7 +16,7 @@ are skipped, and so are a library's larger sizes once one call takes more than
 ``--max-call-seconds``. The crossover is the smallest score-matrix size (bytes of one
 float32 ``B x H x L x S`` matrix) from which blocked is not slower (ratio <= 1) at that and
 every larger measured size; it is what ``AUTO_BLOCKED_BYTES_BY_LIBRARY`` in
-``sdpa_array/_plan/dispatch.py`` records (docs/performance.md has the measured tables).
+``sdpa_array/_plan/dispatch.py`` records (docs/performance.md has the thresholds).
 """
 
 from __future__ import annotations

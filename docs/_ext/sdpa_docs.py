@@ -21,6 +21,10 @@
   performance history drawn from the committed asv results (:mod:`performance_history`);
   the HTML pages ``asv publish`` made (``asv_benchmarks/html``, where present) are copied
   to ``asv/`` in the built site.
+* ``generated/performance/*.png`` and ``generated/snippets/performance_*.md``: the
+  performance page's figures (time against sequence length, accuracy against torch,
+  document masks against sparsity) with their numbers, machines and versions, drawn from
+  the committed asv results (:mod:`performance_figures`).
 * API pages (``generated/``): the secondary sidebar ("On this page") lists the object's
   Parameters, Returns and Examples sections (numpydoc renders them as a field list and a
   rubric, which are not headings), and the main entry points (:data:`EXAMPLES_FIRST`)
@@ -106,9 +110,11 @@ def _write_snippets(app: Sphinx) -> None:
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             path.write_text(text, encoding="utf-8")
     import architecture_diagram
+    import performance_figures
     import performance_history
 
     performance_history.write(ASV / "results", Path(app.srcdir) / "generated")
+    performance_figures.write(ASV / "results", Path(app.srcdir) / "generated")
     generated = Path(app.srcdir) / "generated" / "architecture" / "layers.png"
     architecture_diagram.draw(generated, Path(app.srcdir) / "architecture.md")
 

@@ -114,8 +114,7 @@ def exp(xp: ModuleType, x: Array) -> Array:
 
     NumPy's ``exp`` writes through ``out=`` and torch's through ``exp_``; other libraries
     (the Array API has no ``out=``) get a new array. Writing in place saves a tile-sized
-    allocation per tile, which on NumPy costs as much as the exponential itself
-    (docs/performance.md, issue 28).
+    allocation per tile, which on NumPy costs as much as the exponential itself.
     """
     return _unary(xp, x, "exp")
 
@@ -128,7 +127,7 @@ def has_exp2(xp: ModuleType) -> bool:
 def exp2(xp: ModuleType, x: Array) -> Array:
     """``2 ** x`` (``xp`` must have ``exp2``: :func:`has_exp2`), written into ``x`` where
     that is allowed, as :func:`exp`; use the returned array. NumPy's ``exp2`` takes about
-    half the time of its ``exp`` on float32 (docs/performance.md, issue 28)."""
+    half the time of its ``exp`` on float32."""
     return _unary(xp, x, "exp2")
 
 

@@ -6,8 +6,8 @@ releases the GIL inside its loops, so a small thread pool runs the element-wise 
 several blocks at once. While the pool runs, BLAS is limited to one thread per call (with
 `threadpoolctl <https://github.com/joblib/threadpoolctl>`_, a dependency of this package):
 each of our threads then does its own products, instead of every product starting BLAS's
-threads on cores that are already busy, which would oversubscribe them (docs/performance.md
-has the measurements).
+threads on cores that are already busy, which would oversubscribe them (measured: 1 to 9 s
+instead of 0.2 s).
 
 The pool is one per process, shared by the calls of every thread, and its threads are kept
 between calls: each call hands its blocks to at most the configured number of them and waits.

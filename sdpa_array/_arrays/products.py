@@ -4,7 +4,7 @@ A BLAS kernel accumulates each element of ``a @ b`` in one chain along the contr
 the rounding error of a chain grows with its length. OpenBLAS, which NumPy's wheels ship,
 keeps contractions of a few hundred in one chain: the products of attention that sum over a
 tile's keys (``P V``, ``dS K``) or rows (``Pᵀ dO``, ``dSᵀ Q``) then made the float32 error
-of the NumPy kernels 1.1-1.4x that of torch's CPU kernels (docs/performance.md, issue 28).
+of the NumPy kernels 1.1-1.4x that of torch's CPU kernels.
 :func:`matmul` cuts such a contraction into chunks of at most :data:`CHUNK` and adds their
 products: the chains are short and the chunks few (the additions are ``K / CHUNK`` passes
 over the small result), at about 9 % more time for the product. A sum that is short as a
@@ -20,7 +20,7 @@ The scores ``q kᵀ`` sum over the features, whose chain (64 or 128 long) is sho
 error is the whole call's where the scores are large: a score's rounding error grows with its
 magnitude and shifts its weight by as much, so at logits of ~1e3 the float32 output's error
 is 3-6x what correctly rounded scores would give (1.5x at unit logits; one thread, the shapes
-of ``asv_benchmarks/studies/accuracy_gaps.py``; docs/performance.md). :func:`scores` takes
+of ``asv_benchmarks/studies/accuracy_gaps.py``). :func:`scores` takes
 ``chunks`` (:func:`score_chunks`: at least two, of at most :data:`SCORE_CHUNK` features) where
 the scores may be large: the blocked kernels where the call's score bound (the soft-cap's
 where smaller) exceeds the fixed reference's limit
@@ -70,8 +70,8 @@ CHUNK = 128
 SHORT_CHUNK = 64
 
 #: Chunks from which NumPy computes their products as one stacked product
-#: (:func:`_batched`): fewer calls, where two chunks' stacked product is slower than the two
-#: (docs/performance.md, issue 28).
+#: (:func:`_batched`): fewer calls, where two chunks' stacked product is slower than the
+#: two.
 BATCHED_CHUNKS = 4
 
 #: Largest stacked product (bytes) :func:`_batched` makes: a tile's (the backward's ``dQ``
@@ -100,7 +100,7 @@ def score_chunks(xp: ModuleType, features: int) -> int:
 
 #: Namespaces (NumPy's OpenBLAS) whose ``a @ bᵀ`` with many more columns than rows runs
 #: faster as ``(b @ aᵀ)ᵀ``: 128 x 2048 scores from 64 features take 1.15x the time of the
-#: 2048 x 128 product on the development machine (docs/performance.md, issue 28).
+#: 2048 x 128 product on the development machine.
 TRANSPOSE_LIBRARIES = frozenset({"numpy"})
 
 

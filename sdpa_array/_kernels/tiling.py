@@ -46,14 +46,15 @@ __all__ = [
     "tile_bytes",
 ]
 
-#: Target size in bytes of one score tile (all batch elements processed together in it);
-#: docs/performance.md has the measurements behind it.
+#: Target size in bytes of one score tile (all batch elements processed together in it): on
+#: NumPy, tiles of 0.25 to 2 MiB run within noise of each other at L = S = 4096, and 1 MiB
+#: tiles about 10 % faster than 2 MiB ones at L = S = 1024.
 TILE_BYTES = 2**20
 
 #: On a GPU, the score tile of every batch element and head together: each launch does a
 #: lot of work (one batched product over the whole batch per tile, no Python loop over
 #: batch, heads or small tiles), within a memory budget far below a GPU's memory (the
-#: blocked path's peak is a few tiles; docs/performance.md has the measurement).
+#: blocked path's peak is a few tiles).
 GPU_TILE_BYTES = 2**26
 
 #: On a GPU, the longest key block: a tile covers all keys up to this length, so each
@@ -92,7 +93,7 @@ def tile_bytes(p: Problem) -> int:
 #: in float32, 512 in float64). On NumPy the product ``q kᵀ`` of a 256-key tile runs about
 #: 20 % faster per score than that of a 1024-key one, and a tall block costs a causal call
 #: little since its tiles are cut to the rows that reach their keys (``cut_rows`` of
-#: :func:`plan_blocks`); docs/performance.md has the measurements (issue 28).
+#: :func:`plan_blocks`).
 MAX_BLOCK_K = 256
 
 #: Default blocks are multiples of this (matrix-product kernels prefer aligned sizes).
@@ -102,7 +103,7 @@ BLOCK_ALIGN = 16
 #: keys: a tile starts and ends on this grid, so at most one grid block of excluded keys is
 #: computed on each side of the admissible band (a causal tile of 128 query rows ends at its
 #: diagonal; 256 computed and masked up to 128 more keys, 5 % of the causal VJP at 2048 on
-#: one thread, docs/performance.md).
+#: one thread).
 GRID_RESTRICTED = 128
 
 #: Fewest query rows in a backward tile that holds whole rows: a row of up to
@@ -116,7 +117,7 @@ MIN_ROWS = 64
 #: narrow; 128 rows took 0.88 of the time of 64 in the causal VJP at 1x4x4096x64 on two
 #: threads (the widest tile then holds twice :data:`TILE_BYTES`), and more rows at shorter
 #: keys computed more of the excluded triangle at the diagonal than they saved (512 rows
-#: against 256 at 1024 keys: 1.11; docs/performance.md).
+#: against 256 at 1024 keys: 1.11).
 MIN_ROWS_RESTRICTED = 128
 
 

@@ -10,7 +10,7 @@ The first call of a signature is validated and dispatched as any call, and its
 :class:`~sdpa_array._problem.problem.Problem` and :class:`~sdpa_array._plan.dispatch.Choice`
 are kept here; a later call of the same signature takes them and plans only what holds its
 own arrays (a native kernel's call). This is what makes a small torch call through
-``"auto"`` cost a few microseconds of planning (docs/performance.md, issue 28).
+``"auto"`` cost a few microseconds of planning.
 
 Calls with an array or a function among their options (a mask, lengths as arrays, a bias
 function...), calls on other libraries, and Triton choices (whose planning reads the device)

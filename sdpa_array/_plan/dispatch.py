@@ -114,7 +114,7 @@ IMPLEMENTATIONS: dict[str, Row] = {
 #: ``"auto"`` runs the blocked implementation when the score matrix of the whole call (in
 #: the compute dtype) would exceed this many bytes, i.e. more than one tile: then the
 #: materialized path's passes run from main memory instead of cache, and its memory grows
-#: as ``L * S`` (docs/performance.md has the measurements). The default for libraries
+#: as ``L * S``. The default for libraries
 #: without an entry in :data:`AUTO_BLOCKED_BYTES_BY_LIBRARY`.
 AUTO_BLOCKED_BYTES = TILE_BYTES
 
@@ -126,13 +126,13 @@ AUTO_MAX_SCORE_BYTES = 2**28
 #: above which ``"auto"`` runs the blocked implementation: the largest measured size at
 #: which the blocked forward was still slower than the materialized one (float32, B=1, H=8,
 #: E=64, ``L = S`` from 256 to 4096, i.e. 2 to 512 MiB of scores;
-#: ``asv_benchmarks/studies/auto_crossover.py``, tables in docs/performance.md). NumPy: blocked
-#: faster from 2 MiB (0.1-0.4x), so one tile as before. JAX (eager): forward 2.3x slower
-#: at 8 MiB, 0.6-0.85x from 32 MiB (its VJP already 0.87x at 8 MiB). array-api-strict:
-#: blocked 1.2-2.7x slower at every measured size, forward and VJP (each tile is separate
-#: eager operations), so materialized up to the cap. Dask has no entry: ``"auto"`` builds
-#: its graph of chunk pairs (``"dask"``; Dask's materialized and blocked paths measured
-#: 1.9-7x apart in favour of materialized, tables in docs/performance.md). torch: also
+#: ``asv_benchmarks/studies/auto_crossover.py``; docs/performance.md, "`auto`'s thresholds
+#: per library"). NumPy: blocked faster from 2 MiB (0.1-0.4x), so one tile as before. JAX
+#: (eager): forward 2.3x slower at 8 MiB, 0.6-0.85x from 32 MiB (its VJP already 0.87x at
+#: 8 MiB). array-api-strict: blocked 1.2-2.7x slower at every measured size, forward and VJP
+#: (each tile is separate eager operations), so materialized up to the cap. Dask has no
+#: entry: ``"auto"`` builds its graph of chunk pairs (``"dask"``; Dask's materialized and
+#: blocked paths measured 1.9-7x apart in favour of materialized). torch: also
 #: slower blocked, but under autograd the materialized path keeps the whole probability
 #: matrix for the backward pass while the blocked one keeps ``O(block)``, so torch keeps
 #: the one-tile default (and most torch calls delegate to its native kernel anyway).
