@@ -459,7 +459,7 @@ def test_document_block_classes_from_ids_never_contradict_the_mask(ids, sort, bl
     doc = np.array(sorted(ids) if sort else ids)
     n = len(doc)
     mod = mods.document(doc, doc)
-    mine = mod.block_classes(1, n, n, block, block)
+    mine = block_mask.segment_classes(doc, doc, n, n, block, block)
     evaluated = block_mask._evaluate(mod, (1,), (1,), n, n, block, block)
     assert mine.shape == evaluated.shape
     claimed = mine != block_mask.PARTIAL

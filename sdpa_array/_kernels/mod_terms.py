@@ -34,10 +34,18 @@ from .._arrays.compat import (
 )
 from .._arrays.slicing import at_batch
 from .._arrays.typing import Array
-from .._problem.block_mask import EMPTY, FULL, HOST_BLOCK, BlockMask, classify_in, classify_on_host
+from .._problem.block_mask import (
+    EMPTY,
+    FULL,
+    HOST_BLOCK,
+    BlockMask,
+    classify_in,
+    classify_on_host,
+    segment_classes,
+)
 from .._problem.mod_calls import call_mod, index_grid
 from .._problem.mod_parameters import diagonal_sums, has_parameters, sum_where_constant
-from .._problem.mods_data import NamedMod
+from .._problem.mods_data import DocumentMod, NamedMod
 from .._problem.problem import Problem
 from .restrictions import TileKind
 
@@ -341,14 +349,23 @@ def _classify(
     library, as every call of a user's function is made (not on a GPU, where reading the
     classes back would wait for the device: there its tiles are all evaluated)."""
     if isinstance(mod, NamedMod) and mod.host_equivalent:
-        by_data = getattr(mod, "block_classes", None)  # classes from the mod's data alone
-        kinds = None if by_data is None else by_data(batch[0], p.L, p.S, HOST_BLOCK, HOST_BLOCK)
+        kinds = _document_classes(mod, p) if isinstance(mod, DocumentMod) else None
         if kinds is not None and kinds.shape[0] in (1, batch[0]):
             return kinds
         return classify_on_host(mod, batch, heads, p.L, p.S)
     if p.on_gpu:
         return None
     return classify_in(p.xp, p.device, mod, batch, heads, p.L, p.S)
+
+
+def _document_classes(mod: DocumentMod, p: Problem) -> np.ndarray | None:
+    """A document mask's classes from its segment ids alone (:func:`segment_classes`), or
+    ``None`` where they cannot be read on the host."""
+    try:
+        query, key = mod.query.host(), mod.key.host()
+    except TypeError:
+        return None
+    return segment_classes(query, key, p.L, p.S, HOST_BLOCK, HOST_BLOCK)
 
 
 def mod_bias(p: Problem) -> ModBias | None:

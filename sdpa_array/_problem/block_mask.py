@@ -34,6 +34,7 @@ __all__ = [
     "classify_in",
     "classify_on_host",
     "create_block_mask",
+    "segment_classes",
 ]
 
 #: Default block size of :func:`create_block_mask` along queries and keys (FlexAttention's).
@@ -207,6 +208,33 @@ def _evaluate(
         reduce = _reduce_blocks if xp is np else functools.partial(_block_counts, xp)
         kinds[:, :, r0 // block_q : -(-rows.stop // block_q)] = reduce(values, block_q, block_k)
     return kinds
+
+
+def segment_classes(
+    query_ids: np.ndarray, key_ids: np.ndarray, L: int, S: int, block_q: int, block_k: int
+) -> np.ndarray | None:
+    """Block classes ``(B', 1, nq, nk)`` of the mask ``query_ids[i] == key_ids[j]`` (a
+    document mask) from each block's smallest and largest id, without evaluating the mask:
+    a block is empty where the two ranges do not meet, full where both blocks hold one and
+    the same id, partial otherwise (exact for packed documents numbered in order, each id
+    the last one or one more). ``None`` where the ids do not cover ``L`` and ``S`` or their
+    batch axes differ."""
+    if query_ids.shape[-1] != L or key_ids.shape[-1] != S:
+        return None
+    q, k = np.reshape(query_ids, (-1, L)), np.reshape(key_ids, (-1, S))
+    if len(q) != len(k) and 1 not in (len(q), len(k)):
+        return None
+
+    def ranges(ids: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+        starts = np.arange(0, ids.shape[-1], size)
+        return np.minimum.reduceat(ids, starts, axis=-1), np.maximum.reduceat(ids, starts, -1)
+
+    (q_lo, q_hi), (k_lo, k_hi) = ranges(q, block_q), ranges(k, block_k)
+    q_lo, q_hi = q_lo[:, :, None], q_hi[:, :, None]
+    k_lo, k_hi = k_lo[:, None, :], k_hi[:, None, :]
+    meet = (q_lo <= k_hi) & (k_lo <= q_hi)
+    one = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+    return np.where(one, FULL, np.where(meet, PARTIAL, EMPTY)).astype(np.int8)[:, None]
 
 
 def create_block_mask(

@@ -294,42 +294,6 @@ class DocumentMod(NamedMod):
         xp = _namespace(batch, head, q_idx, kv_idx)
         return _segments(xp, self.query, batch, q_idx) == _segments(xp, self.key, batch, kv_idx)
 
-    def block_classes(
-        self, batch: int, L: int, S: int, block_q: int, block_k: int
-    ) -> np.ndarray | None:
-        """Block classes ``(B', 1, nq, nk)`` (``EMPTY``, ``PARTIAL``, ``FULL`` of
-        :mod:`~sdpa_array._problem.block_mask`) from the segments' smallest and largest id
-        in each block, without evaluating the mask: a block is empty where the two ranges
-        do not meet, full where both blocks hold one and the same id, partial otherwise
-        (exact for packed documents numbered in order, each id the last one or one more).
-        ``None`` where the segments cannot be read on the host or do not cover ``L`` and
-        ``S``."""
-        from .block_mask import EMPTY, FULL, PARTIAL
-
-        try:
-            q, k = self.query.host(), self.key.host()
-        except TypeError:
-            return None
-        if q.shape[-1] != L or k.shape[-1] != S:
-            return None
-        q, k = np.reshape(q, (-1, L)), np.reshape(k, (-1, S))
-        if len(q) != len(k) and 1 not in (len(q), len(k)):
-            return None
-
-        def ranges(ids: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-            starts = np.arange(0, ids.shape[-1], size)
-            return np.minimum.reduceat(ids, starts, axis=-1), np.maximum.reduceat(
-                ids, starts, axis=-1
-            )
-
-        (q_lo, q_hi), (k_lo, k_hi) = ranges(q, block_q), ranges(k, block_k)
-        q_lo, q_hi = q_lo[:, :, None], q_hi[:, :, None]
-        k_lo, k_hi = k_lo[:, None, :], k_hi[:, None, :]
-        meet = (q_lo <= k_hi) & (k_lo <= q_hi)
-        one = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
-        kinds = np.where(one, FULL, np.where(meet, PARTIAL, EMPTY)).astype(np.int8)
-        return kinds[:, None]
-
 
 @dataclass(frozen=True, repr=False)
 class AlibiMod(NamedMod):
