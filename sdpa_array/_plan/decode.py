@@ -129,8 +129,9 @@ def call_signature(
 ) -> tuple[Any, ...] | None:
     """What a cache call's checks and the static part of its plan depend on: the arrays'
     signatures (query, caches, new tokens), the kinds of the integer arguments (lengths,
-    starts, block table), ``num_splits``, whether triton's interpreter runs, and the
-    options with their types; ``None`` where
+    starts, block table), ``num_splits``, whether triton's interpreter runs (where the
+    Triton kernels may be asked: arrays off the CPU, or ``implementation="triton"``), and
+    the options with their types; ``None`` where
     that is more than a signature (an array or a function among the options, arrays whose
     checks are not kept)."""
     found: list[Any] = []
@@ -147,7 +148,9 @@ def call_signature(
     if type(num_splits) not in _SIMPLE:
         return None
     found.append((type(num_splits), num_splits))
-    found.append(interpreting())  # whether the Triton kernels run on the CPU
+    device = getattr(found[0][3], "type", found[0][3])  # NumPy: "cpu"; torch: its device's
+    if device != "cpu" or options.get("implementation") == "triton":
+        found.append(interpreting())  # which arrays the Triton kernels take then
     for name, value in options.items():
         kind = type(value)
         if kind is tuple:  # a window

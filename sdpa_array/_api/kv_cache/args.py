@@ -331,7 +331,8 @@ def check_call(
     scores, what = (B, Hq, L, capacity), "max_pages * page_size" if paged else "S_max"
     # the window as given (the problem's stub call has S = 0, which would make every side
     # "past the lengths"), bounded as validation bounds it
-    left, right = window_bounds(options.get("window"), L + capacity)
+    window = options.get("window")
+    left, right = (None, None) if window is None else window_bounds(window, L + capacity)
     return CacheCall(
         query=query,
         key_cache=key_cache,
