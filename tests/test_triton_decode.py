@@ -26,7 +26,6 @@ if importlib.util.find_spec("triton") is None:
     )
 
 from sdpa_array._api import kv_cache as _kv_cache
-from sdpa_array._api.kv_cache import api as kv_api
 from sdpa_array._api.kv_cache import args as kv_args
 from sdpa_array._kernels.triton import CannotUseTritonError
 from sdpa_array._kernels.triton.configs import interpreting
@@ -37,6 +36,7 @@ from sdpa_array._kernels.triton.decoding import (
     decode_reason,
     decode_splits,
 )
+from sdpa_array._plan import decode as kv_decode
 from sdpa_array.testing.backends import Backend
 from tests.test_kv_cache import (
     CACHED_LENGTHS,
@@ -60,13 +60,13 @@ PAIRS = [(b, d) for b in BACKENDS for d in DTYPES[b.id]]
 def spy(monkeypatch: pytest.MonkeyPatch) -> list[DecodeCall]:
     """The calls the decoding kernel ran."""
     seen: list[DecodeCall] = []
-    original = kv_api.triton_decode
+    original = kv_decode.triton_decode
 
     def recording(xp: Any, call: DecodeCall) -> Any:
         seen.append(call)
         return original(xp, call)
 
-    monkeypatch.setattr(kv_api, "triton_decode", recording)
+    monkeypatch.setattr(kv_decode, "triton_decode", recording)
     return seen
 
 
@@ -263,3 +263,31 @@ def test_splits_cover_the_longest_sequence() -> None:
         assert (splits - 1) * chunk < max(longest, 1)
         if wanted is not None:
             assert splits <= wanted
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["kernel", "mask"])
+def test_explained_choice_is_the_one_that_runs(masked: bool, spy: list) -> None:
+    """``explain_kv_cache`` names the decoding kernel where it runs, and where a dense mask
+    keeps it out, the reason (:func:`decode_reason`'s) and the choice that runs instead."""
+    from sdpa_array._api.explain_cache import explain_kv_cache
+    from tests.test_kv_cache import _mask
+
+    backend = BACKENDS[0]
+    backend.configure()
+    case = make_case("explained", lengths=[5, 9, 0], new=True, paged=True, heads_kv=4)
+    mask = _mask("explained") if masked else None
+    q, k, v, nk, nv = (
+        backend.asarray(a, "float32")
+        for a in (case.query, case.key_cache, case.value_cache, case.new_key, case.new_value)
+    )
+    found = explain_kv_cache(
+        q, k, v, cache_lengths=case.lengths, new_key=nk, new_value=nv, block_table=case.table,
+        mask=None if mask is None else backend.asarray(mask), implementation="triton",
+    )  # fmt: skip
+    run(backend, "float32", case, mask=mask, implementation="triton")
+    assert found.kernel == ("split" if masked else "triton")
+    assert len(spy) == (0 if masked else 1)
+    if masked:
+        assert found.why[0] == "triton: the decoding kernel takes no dense mask or bias"
+    else:
+        assert found.why == ()

@@ -19,6 +19,12 @@ used dropped first; :func:`clear` forgets them all, and must be called after cha
 dispatch's own settings (its thresholds, the native kernels' table), which a kept plan does
 not read again.
 
+*KV-cache calls.* :func:`~sdpa_array._plan.decode.plan_decode` keeps, by the cache call's
+signature (:func:`~sdpa_array._plan.decode.call_signature`), what the call's checks found,
+whether the Triton decoding kernel takes it and the split rule's chunk length
+(:func:`lookup_decode`, :func:`store_decode`); the lengths, starts and block table are
+checked, and the rest of the plan made, on every call.
+
 *Direct calls.* Where such a plan delegates the whole call to one library function whose
 output is the public function's as it is
 (:attr:`~sdpa_array._kernels.native.delegation.Delegation.direct`: torch's
@@ -46,7 +52,17 @@ from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .dispatch import Choice
 
-__all__ = ["MAX_ENTRIES", "clear", "direct", "keep_direct", "lookup", "signature", "store"]
+__all__ = [
+    "MAX_ENTRIES",
+    "clear",
+    "direct",
+    "keep_direct",
+    "lookup",
+    "lookup_decode",
+    "signature",
+    "store",
+    "store_decode",
+]
 
 #: Most signatures kept.
 MAX_ENTRIES = 256
@@ -56,6 +72,10 @@ _lock = threading.Lock()
 
 #: Direct calls by :func:`_direct_key`; at most :data:`MAX_ENTRIES`, emptied when full.
 _direct: dict[tuple[Any, ...], Callable[[Any, Any, Any], Any]] = {}
+
+#: KV-cache calls by their key (:mod:`.decode`): what their checks found and what the
+#: signature decides of their plan; at most :data:`MAX_ENTRIES`, least recently used dropped.
+_decode: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 
 #: The types of ``scale`` :func:`_direct_key` takes.
 _DIRECT_SCALE_TYPES = frozenset({type(None), int, float})
@@ -107,6 +127,7 @@ def clear() -> None:
     with _lock:
         _entries.clear()
         _direct.clear()
+        _decode.clear()
 
 
 def _direct_key(
@@ -166,3 +187,23 @@ def keep_direct(
         if len(_direct) >= MAX_ENTRIES:
             _direct.clear()
         _direct[found] = planned[1].direct
+
+
+def lookup_decode(key: tuple[Any, ...]) -> Any:
+    """What was kept for a KV-cache call of ``key`` (:func:`.decode.plan_decode`), if
+    anything."""
+    with _lock:
+        entry = _decode.get(key)
+        if entry is not None:
+            _decode.move_to_end(key)
+        return entry
+
+
+def store_decode(key: tuple[Any, ...], entry: Any) -> None:
+    """Keep ``entry`` (no array of the call: its checks' findings and its plan's static
+    part) for KV-cache calls of ``key``."""
+    with _lock:
+        _decode[key] = entry
+        _decode.move_to_end(key)
+        while len(_decode) > MAX_ENTRIES:
+            _decode.popitem(last=False)

@@ -48,6 +48,7 @@ __all__ = [
     "auto_blocked_bytes",
     "choose",
     "score_bytes",
+    "triton_reason",
 ]
 
 
@@ -324,6 +325,13 @@ def _triton_reason(p: Problem, x: Inputs) -> str | None:
     except CannotUseTritonError as exc:
         return f"triton: {exc}"
     return None
+
+
+def triton_reason(p: Problem, x: Inputs) -> str | None:
+    """Why ``"auto"`` does not run the Triton kernels on ``x`` (``None``: it does): the
+    forward's and the VJP's rule, which the KV cache's planner (:mod:`.decode`) follows
+    too."""
+    return _triton_reason(p, x)
 
 
 def _automatic(

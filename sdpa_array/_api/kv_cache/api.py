@@ -1,15 +1,16 @@
-"""The public cache function: check, write the new tokens, attend (see the package docstring)."""
+"""The public cache function: check, plan, write the new tokens, run the plan (see the
+package docstring)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..._arrays.typing import Array, Layout
-from ..._kernels.triton.decoding import triton_decode
+from ..._plan.decode import DecodePlan, plan_decode, run_decode_kernel
 from ..layout import check_layout, swap_heads_and_length
-from .args import CacheCall, check_call
-from .chunks import attend_chunks
-from .decode import decode_call
+from .args import check_call
+from .chunks import attend_chunks, attend_single
 from .write import write_tokens
 
 __all__ = ["attention_with_kv_cache"]
@@ -228,19 +229,20 @@ def attention_with_kv_cache(
         options=options,
         cache_leftpad=cache_leftpad,
     )
+    plan = plan_decode(c)  # raises CannotUseTritonError before any work
     caches = write_tokens(c)
-    out, lse, max_scores = _attend(c, caches)
+    out, lse, max_scores = RUNS[plan.choice.name](plan, caches)
     extras = [lse] if c.return_lse else []
     if c.return_max_scores:
         extras.append(max_scores)
     return (out, *extras, *caches)
 
 
-def _attend(c: CacheCall, caches: tuple[Array, Array]) -> tuple[Array, Array, Array]:
-    """Output, log-sum-exp and (where asked for) maximum scores: from the Triton decoding
-    kernel where it applies (:func:`~.decode.decode_call`); else chunk by chunk
-    (:func:`~.chunks.attend_chunks`)."""
-    decode = decode_call(c, caches)
-    if decode is not None:
-        return (*triton_decode(c.xp, decode), None)
-    return attend_chunks(c, caches)
+#: How each of the planner's choices runs (:data:`~sdpa_array._plan.decode.DECODE_KERNELS`),
+#: over the caches holding the new tokens: output, log-sum-exp and maximum scores (each
+#: ``None`` where not computed).
+RUNS: dict[str, Callable[[DecodePlan, tuple[Array, Array]], tuple[Array, ...]]] = {
+    "triton": run_decode_kernel,
+    "single": attend_single,
+    "split": attend_chunks,
+}

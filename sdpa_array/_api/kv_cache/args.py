@@ -14,20 +14,20 @@ lists, arrays of the inputs' library that hold values); lazy Dask arrays and tra
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from ..._arrays.compat import array_namespace, device, is_array_api_obj, namespace_name
-from ..._arrays.typing import Array
-from ..._kernels.triton import plan_triton
+from ..._plan.decode import call_signature, kept_setup
+from ..._plan.kv_call import CacheCall
 from ..._problem.band import window_bounds
 from ..._problem.options import Options
 from ..._problem.peer_keywords import unexpected_keywords
-from ..._problem.problem import Inputs, Problem, validate
+from ..._problem.problem import Problem, validate
 from ..._problem.scalar_options import check_flag
 from .starts import check_starts
 
@@ -73,74 +73,6 @@ _HOST_READERS: dict[str, Callable[[Any], np.ndarray]] = {
 
 #: Libraries whose arrays are never read on the host here (a lazy graph is not computed).
 _UNREAD = frozenset({"dask"})
-
-
-@dataclass(frozen=True)
-class CacheCall:
-    """A checked call: the arrays, the cache layout and the options, nothing computed yet.
-
-    A contiguous cache is described as a paged one with one page per sequence: page ``b``
-    holds sequence ``b``, ``page_size`` is ``S_max`` and the block table is ``[[0], [1],
-    ...]``, so that every token position maps to ``(page, row)`` the same way.
-
-    Attributes
-    ----------
-    lengths : tuple of int, or array
-        ``cache_lengths`` read on the host, or the caller's array where it cannot be read.
-    table : numpy.ndarray or array
-        The block table ``(B, max_pages)``, on the host where it could be read.
-    mask, bias : array or None
-        The caller's terms with leading axes added up to 4 (``(B|1, Hq|1, L|1, T|1)``).
-    """
-
-    xp: ModuleType
-    device: Any
-    query: Array
-    key_cache: Array
-    value_cache: Array
-    new_key: Array | None
-    new_value: Array | None
-    paged: bool
-    page_size: int
-    capacity: int
-    lengths: tuple[int, ...] | Array
-    starts: tuple[int, ...] | Array | None  # cache_leftpad (.starts), None: 0
-    table: np.ndarray | Array
-    num_splits: int | None
-    mask: Array | None
-    bias: Array | None
-    is_causal: bool
-    window: tuple[int | None, int | None] | None
-    passed: dict[str, Any]  # scale, softcap, enable_gqa, implementation: to every chunk's call
-    return_lse: bool
-    return_max_scores: bool
-    problem: Problem  # the query's checks (scale, softcap, dtype and device resolved)
-    implementation: str
-
-    @property
-    def B(self) -> int:
-        return int(self.query.shape[0])
-
-    @property
-    def L(self) -> int:
-        return int(self.query.shape[2])
-
-    @property
-    def new_tokens(self) -> int:
-        """Tokens written before attending: ``L`` with ``new_key``, else 0."""
-        return self.L if self.new_key is not None else 0
-
-    @property
-    def host_lengths(self) -> tuple[int, ...] | None:
-        return self.lengths if isinstance(self.lengths, tuple) else None
-
-    @property
-    def host_table(self) -> np.ndarray | None:
-        return self.table if isinstance(self.table, np.ndarray) else None
-
-    @property
-    def library(self) -> str:
-        return namespace_name(self.xp)
 
 
 def _kind(value: Any) -> str:
@@ -291,8 +223,8 @@ def _integers(
     return value if host is None else host.astype(np.int64)
 
 
-def _check_lengths(lengths: np.ndarray, new: int, capacity: int, layout: str) -> None:
-    for b, n in enumerate(lengths.tolist()):
+def _check_lengths(lengths: tuple[int, ...], new: int, capacity: int, layout: str) -> None:
+    for b, n in enumerate(lengths):
         if n < 0:
             raise ValueError(f"cache_lengths must be non-negative, got cache_lengths[{b}] = {n}")
         if n + new > capacity:
@@ -354,6 +286,10 @@ def check_call(
 ) -> CacheCall:
     """Check every argument of the cache function and return the call they describe.
 
+    A call whose signature was checked before (:func:`~sdpa_array._plan.decode.kept_setup`)
+    takes what those checks found and checks only the values of its lengths, starts and
+    block table.
+
     Raises
     ------
     TypeError
@@ -365,6 +301,69 @@ def check_call(
         pointing outside the pages or a ``cache_leftpad`` past the tokens (where the values
         can be read), ``new_key`` without ``new_value``, out-of-range options.
     """
+    signature = call_signature(
+        (query, key_cache, value_cache, new_key, new_value),
+        (cache_lengths, cache_leftpad, block_table),
+        num_splits,
+        options,
+    )
+    setup = kept_setup(signature)
+    if setup is None:
+        setup = _setup(
+            query,
+            key_cache,
+            value_cache,
+            new_key=new_key,
+            new_value=new_value,
+            block_table=block_table,
+            num_splits=num_splits,
+            options=options,
+            integers={"cache_lengths": cache_lengths, "cache_leftpad": cache_leftpad},
+        )
+        setup["signature"] = signature
+    xp = setup["xp"]
+    B, Hq, L = (int(n) for n in query.shape[:3])
+    new = L if new_key is not None else 0
+    lengths, table, capacity = _layout(xp, B, new, key_cache, cache_lengths, block_table)
+    host_lengths = lengths if isinstance(lengths, tuple) else None
+    starts = check_starts(xp, cache_leftpad, B, host_lengths, new, _integers)
+    paged = setup["paged"]
+    scores, what = (B, Hq, L, capacity), "max_pages * page_size" if paged else "S_max"
+    # the window as given (the problem's stub call has S = 0, which would make every side
+    # "past the lengths"), bounded as validation bounds it
+    window = options.get("window")
+    left, right = (None, None) if window is None else window_bounds(window, L + capacity)
+    return CacheCall(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        new_key=new_key,
+        new_value=new_value,
+        capacity=capacity,
+        lengths=lengths,
+        starts=starts,
+        table=table,
+        mask=_term(xp, "mask", options.get("mask"), scores, what),
+        bias=_term(xp, "bias", options.get("bias"), scores, what),
+        window=None if left is None and right is None else (left, right),
+        **setup,
+    )
+
+
+def _setup(
+    query: Any,
+    key_cache: Any,
+    value_cache: Any,
+    *,
+    new_key: Any,
+    new_value: Any,
+    block_table: Any,
+    num_splits: Any,
+    options: dict[str, Any],
+    integers: dict[str, Any],
+) -> dict[str, Any]:
+    """Every check that the call's signature decides, and what they found: the fields of
+    :meth:`CacheCall.setup` (the signature aside)."""
     _check_options(options)
     named = {
         "query": query,
@@ -374,51 +373,28 @@ def check_call(
         "new_value": new_value,
         "mask": options.get("mask"),
         "bias": options.get("bias"),
-        "cache_lengths": cache_lengths,
-        "cache_leftpad": cache_leftpad,
         "block_table": block_table,
+        **integers,
     }
     xp = _checked_arrays(named, bool(options.get("enable_gqa", False)))
-    lengths, table, capacity = _layout(xp, named)
-    host_lengths = lengths if isinstance(lengths, np.ndarray) else None
-    new = int(query.shape[2]) if new_key is not None else 0
-    starts = check_starts(xp, cache_leftpad, int(query.shape[0]), host_lengths, new, _integers)
     implementation, problem = _checked_options(named, options)
-    B, Hq, L, _ = (int(n) for n in query.shape)
-    paged = block_table is not None
-    scores, what = (B, Hq, L, capacity), "max_pages * page_size" if paged else "S_max"
-    # the window as given (the problem's stub call has S = 0, which would make every side
-    # "past the lengths"), bounded as validation bounds it
-    left, right = window_bounds(options.get("window"), L + capacity)
-    return CacheCall(
-        xp=xp,
-        device=device(query),
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        new_key=new_key,
-        new_value=new_value,
-        paged=paged,
-        page_size=int(key_cache.shape[2]),
-        capacity=capacity,
-        lengths=tuple(host_lengths.tolist()) if host_lengths is not None else lengths,
-        starts=starts,
-        table=table,
-        num_splits=_num_splits(num_splits),
-        mask=_term(xp, "mask", named["mask"], scores, what),
-        bias=_term(xp, "bias", named["bias"], scores, what),
-        is_causal=bool(options.get("is_causal", False)),
-        window=None if left is None and right is None else (left, right),
-        passed={
+    return {
+        "xp": xp,
+        "device": device(query),
+        "paged": block_table is not None,
+        "page_size": int(key_cache.shape[2]),
+        "num_splits": _num_splits(num_splits),
+        "is_causal": bool(options.get("is_causal", False)),
+        "passed": {
             k: options[k]
             for k in ("scale", "softcap", "enable_gqa", "implementation")
             if k in options
         },
-        return_lse=bool(options.get("return_lse", False)),
-        return_max_scores=bool(options.get("return_max_scores", False)),
-        problem=problem,
-        implementation=implementation,
-    )
+        "return_lse": bool(options.get("return_lse", False)),
+        "return_max_scores": bool(options.get("return_max_scores", False)),
+        "problem": problem,
+        "implementation": implementation,
+    }
 
 
 def _checked_arrays(named: dict[str, Any], enable_gqa: bool) -> ModuleType:
@@ -441,35 +417,54 @@ def _checked_arrays(named: dict[str, Any], enable_gqa: bool) -> ModuleType:
     return xp
 
 
-def _layout(xp: ModuleType, named: dict[str, Any]) -> tuple[Any, Any, int]:
-    """``(lengths, table, capacity)``: the lengths and block table as host int64 arrays
-    where they can be read (and then checked against the cache), else as given; a
-    contiguous cache as the table of one page per sequence; the tokens a sequence holds."""
-    B, L = int(named["query"].shape[0]), int(named["query"].shape[2])
-    pages, _, rows, _ = (int(n) for n in named["key_cache"].shape)
-    new = L if named["new_key"] is not None else 0
-    lengths = _integers(xp, "cache_lengths", named["cache_lengths"], (B,), "(B,)")
-    host_lengths = lengths if isinstance(lengths, np.ndarray) else None
-    paged = named["block_table"] is not None
-    if paged:
-        table = _integers(xp, "block_table", named["block_table"], (B, None), "(B, max_pages)")
+def _layout(
+    xp: ModuleType, B: int, new: int, key_cache: Any, cache_lengths: Any, block_table: Any
+) -> tuple[Any, Any, int]:
+    """``(lengths, table, capacity)``: the lengths as a tuple of ints and the block table as
+    a host int64 array where they can be read (and then checked against the cache), else as
+    given; a contiguous cache as the table of one page per sequence; the tokens a sequence
+    holds."""
+    pages, _, rows, _ = (int(n) for n in key_cache.shape)
+    lengths = _host_ints(cache_lengths, B)
+    if lengths is None:
+        found = _integers(xp, "cache_lengths", cache_lengths, (B,), "(B,)")
+        lengths = tuple(found.tolist()) if isinstance(found, np.ndarray) else found
+    host_lengths = lengths if isinstance(lengths, tuple) else None
+    if block_table is not None:
+        table = _integers(xp, "block_table", block_table, (B, None), "(B, max_pages)")
         capacity = int(table.shape[1]) * rows
         layout = f"the block table ({table.shape[1]} pages of {rows} tokens)"
     else:
-        table = np.arange(B, dtype=np.int64)[:, None]
+        table = _one_page_each(B)
         capacity = rows
         layout = f"key_cache (S_max = {rows})"
     if host_lengths is not None:
         _check_lengths(host_lengths, new, capacity, layout)
-    if paged and isinstance(table, np.ndarray):
+    if block_table is not None and isinstance(table, np.ndarray):
         _check_table(table, host_lengths, new, rows, pages)
     return lengths, table, capacity
 
 
+def _host_ints(value: Any, B: int) -> tuple[int, ...] | None:
+    """A list or tuple of ``B`` Python ints as a tuple (no NumPy array made for it); ``None``
+    for anything else, which :func:`_integers` checks."""
+    if type(value) in (list, tuple) and len(value) == B and all(type(n) is int for n in value):
+        return tuple(value)
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _one_page_each(B: int) -> np.ndarray:
+    """The block table of a contiguous cache, ``[[0], [1], ...]`` (read-only, shared)."""
+    table = np.arange(B, dtype=np.int64)[:, None]
+    table.flags.writeable = False
+    return table
+
+
 def _checked_options(named: dict[str, Any], options: dict[str, Any]) -> tuple[str, Problem]:
     """``(implementation, problem)``: the options checked by the main function's validation
-    on a stub call with no keys (scale, softcap, window, GQA resolved), and the Triton
-    kernels' refusal where ``implementation="triton"`` cannot run."""
+    on a stub call with no keys (scale, softcap, window, GQA resolved). Whether the Triton
+    kernels can run ``implementation="triton"`` is the planner's question."""
     check_flag("return_lse", options.get("return_lse", False))
     check_flag("return_max_scores", options.get("return_max_scores", False))
     implementation = options.get("implementation", "auto")
@@ -487,6 +482,4 @@ def _checked_options(named: dict[str, Any], options: dict[str, Any]) -> tuple[st
         enable_gqa=options.get("enable_gqa", False),
     )
     problem = validate(query, key_cache[:1, :, :0, :], value_cache[:1, :, :0, :], stub_options)
-    if implementation == "triton":  # raises CannotUseTritonError before any work
-        plan_triton(problem, Inputs(query, key_cache, value_cache))
     return implementation, problem

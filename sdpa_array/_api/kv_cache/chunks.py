@@ -1,15 +1,18 @@
-"""Attending chunk by chunk: each sequence's tokens cut into chunks, attended, merged.
+"""Running the forward over the cache: one call over a slice, or chunk by chunk.
 
-:func:`attend_chunks` cuts each sequence's attended tokens into chunks (:func:`_plan`),
-attends to every chunk with :func:`~sdpa_array.scaled_dot_product_attention` on that
-chunk's keys only, on NumPy's thread pool (:func:`~sdpa_array._arrays.parallel.map_blocks`),
-and merges each sequence's chunks with :func:`~sdpa_array.merge_attention_states`.
+:func:`attend_single` runs the plan's ``"single"`` choice: one call of
+:func:`~sdpa_array.scaled_dot_product_attention` over the tokens ``[lo, n)`` that every
+sequence of a contiguous cache attends (views, nothing copied), so that a decoding step
+costs what the forward costs on that slice. :func:`attend_chunks` runs ``"split"``: it
+attends every piece of the plan (:func:`~sdpa_array._plan.splits.pieces`) with the forward
+on that piece's keys only, on NumPy's thread pool
+(:func:`~sdpa_array._arrays.parallel.map_blocks`), and merges each sequence's pieces with
+:func:`~sdpa_array.merge_attention_states`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,117 +20,22 @@ import numpy as np
 from ..._arrays.merge import merge_attention_states
 from ..._arrays.parallel import map_blocks
 from ..._arrays.typing import Array
+from ..._plan.decode import DecodePlan
+from ..._plan.kv_call import CacheCall
+from ..._plan.splits import CHUNK_BYTES, CHUNK_MAX_TOKENS, Piece, bands, host_start
 from ..forward import scaled_dot_product_attention
-from .args import CacheCall
 
-__all__ = ["CHUNK_BYTES", "CHUNK_MAX_TOKENS", "attend_chunks"]
-
-#: bytes (1024 tokens for Hkv=8, E=Ev=128 in float32). Measured on 2 cores (B=4, Hq=32,
-#: paged, 32768 tokens): chunks of 256-1024 tokens ran 15-30% faster than 2048-8192, as a
-#: gathered chunk then stays in the CPU's cache between its copy and its two products.
-CHUNK_BYTES = 8 * 2**20
-
-#: ... and of at most this many tokens, so that a long sequence is split even when its heads
-#: are small (a single query over 32768 tokens then runs on at least 4 threads).
-CHUNK_MAX_TOKENS = 8192
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """Tokens of sequence ``b`` stored alike in ``count`` pages: rows ``r0 .. r0 + rows - 1``
-    of the pages at block-table entries ``j0 .. j0 + count - 1``. Token position of (page
-    ``p``, row ``r``): ``(j0 + p) * page_size + r0 + r``."""
-
-    b: int
-    j0: int
-    count: int
-    r0: int
-    rows: int
-
-    def first(self, page_size: int) -> int:
-        return self.j0 * page_size + self.r0
-
-    def last(self, page_size: int) -> int:
-        return (self.j0 + self.count - 1) * page_size + self.r0 + self.rows - 1
-
-
-def _pieces_of_range(b: int, start: int, stop: int, ps: int) -> list[_Piece]:
-    """Tokens ``[start, stop)`` as at most three pieces: a partial page, whole pages, a
-    partial page."""
-    pieces = []
-    if start % ps:
-        end = min(stop, (start // ps + 1) * ps)
-        pieces.append(_Piece(b, start // ps, 1, start % ps, end - start))
-        start = end
-    full = (stop - start) // ps
-    if full:
-        pieces.append(_Piece(b, start // ps, full, 0, ps))
-        start += full * ps
-    if start < stop:
-        pieces.append(_Piece(b, start // ps, 1, 0, stop - start))
-    return pieces
-
-
-def _bands(c: CacheCall, n: int, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """First and last admissible token of each query (``lo > hi``: none) for ``n`` tokens
-    of which those from ``first`` on are the sequence's (``cache_leftpad``)."""
-    diag = n - c.L + np.arange(c.L)
-    left, right = c.window if c.window is not None else (None, None)
-    lo = np.maximum(first, diag - left) if left is not None else np.full(c.L, first)
-    hi = np.full(c.L, n - 1)
-    if c.is_causal:
-        hi = np.minimum(hi, diag)
-    if right is not None:
-        hi = np.minimum(hi, diag + right)
-    return lo, hi
-
-
-def _host_start(c: CacheCall, b: int) -> int:
-    """Sequence ``b``'s first token where ``cache_leftpad`` is known on the host (else 0:
-    the start then enters the masks)."""
-    return c.starts[b] if isinstance(c.starts, tuple) else 0
+__all__ = ["CHUNK_BYTES", "CHUNK_MAX_TOKENS", "attend_chunks", "attend_single", "single_call"]
 
 
 def _start(c: CacheCall, b: int) -> Any:
     """Sequence ``b``'s first token: an int, or a 0-d array where it cannot be read."""
     if c.starts is None or isinstance(c.starts, tuple):
-        return _host_start(c, b)
+        return host_start(c, b)
     return c.starts[b]
 
 
-def _itemsize(c: CacheCall) -> int:
-    return int(c.xp.finfo(c.query.dtype).bits) // 8
-
-
-def _plan(c: CacheCall) -> list[_Piece]:
-    """Every piece to attend, sequence by sequence (see Notes in the public docstring)."""
-    lengths, ps = c.host_lengths, c.page_size
-    ranges: list[tuple[int, int]] = []
-    for b in range(c.B):
-        if lengths is None:
-            ranges.append((0, c.capacity))
-            continue
-        lo, hi = _bands(c, lengths[b] + c.new_tokens, _host_start(c, b))
-        some = lo <= hi
-        ranges.append((int(lo[some].min()), int(hi[some].max()) + 1) if some.any() else (0, 0))
-    longest = max((stop - start for start, stop in ranges), default=0)
-    if longest == 0:
-        return []
-    k, v = c.key_cache, c.value_cache
-    token_bytes = int(k.shape[1]) * (int(k.shape[3]) + int(v.shape[3])) * _itemsize(c)
-    target = min(CHUNK_MAX_TOKENS, max(1, CHUNK_BYTES // max(token_bytes, 1)))
-    splits = c.num_splits or math.ceil(longest / target)
-    chunk = math.ceil(longest / splits)
-    if c.paged:
-        chunk = math.ceil(chunk / ps) * ps
-    pieces = []
-    for b, (start, stop) in enumerate(ranges):
-        for edge in range(start - start % chunk, stop, chunk):
-            pieces += _pieces_of_range(b, max(edge, start), min(edge + chunk, stop), ps)
-    return pieces
-
-
-def _gather(c: CacheCall, cache: Array, piece: _Piece) -> Array:
+def _gather(c: CacheCall, cache: Array, piece: Piece) -> Array:
     """The piece's rows of its pages, ``(count, Hkv, rows, X)``: views where they can be."""
     xp, rows = c.xp, slice(piece.r0, piece.r0 + piece.rows)
     table = c.host_table
@@ -143,7 +51,7 @@ def _gather(c: CacheCall, cache: Array, piece: _Piece) -> Array:
     return runs[0] if len(runs) == 1 else xp.concat(runs, axis=0)
 
 
-def _positions(c: CacheCall, piece: _Piece) -> Array:
+def _positions(c: CacheCall, piece: Piece) -> Array:
     """Token position of every (page, row) of the piece, ``(count, rows)``."""
     xp, dev = c.xp, c.device
     pages = xp.reshape(xp.arange(piece.count, device=dev), (-1, 1))
@@ -151,13 +59,13 @@ def _positions(c: CacheCall, piece: _Piece) -> Array:
     return (pages + piece.j0) * c.page_size + piece.r0 + rows
 
 
-def _band_mask(c: CacheCall, piece: _Piece, n: Any, first: Any) -> Array | None:
+def _band_mask(c: CacheCall, piece: Piece, n: Any, first: Any) -> Array | None:
     """Which (query, token) pairs the lengths, the start ``first``, ``is_causal`` and
     ``window`` admit, from global positions, ``(count, 1, L|1, rows)``; ``None`` where the
     piece is admissible for every query (known lengths and start only)."""
     xp, L = c.xp, c.L
     if isinstance(n, int) and isinstance(first, int):
-        lo, hi = _bands(c, n, first)
+        lo, hi = bands(c, n, first)
         ps = c.page_size
         if bool(np.all(lo <= piece.first(ps))) and bool(np.all(hi >= piece.last(ps))):
             return None
@@ -174,7 +82,7 @@ def _band_mask(c: CacheCall, piece: _Piece, n: Any, first: Any) -> Array | None:
     return xp.expand_dims(ok, axis=1)
 
 
-def _term_piece(c: CacheCall, term: Array | None, piece: _Piece) -> Array | None:
+def _term_piece(c: CacheCall, term: Array | None, piece: Piece) -> Array | None:
     """The caller's mask or bias for the piece's tokens, ``(count|1, Hq|1, L|1, rows|1)``."""
     if term is None:
         return None
@@ -190,7 +98,7 @@ def _term_piece(c: CacheCall, term: Array | None, piece: _Piece) -> Array | None
     return xp.permute_dims(span, (2, 0, 1, 3))
 
 
-def _attend_piece(c: CacheCall, caches: tuple[Array, Array], piece: _Piece) -> tuple[Array, ...]:
+def _attend_piece(c: CacheCall, caches: tuple[Array, Array], piece: Piece) -> tuple[Array, ...]:
     """Partial attention of sequence ``piece.b``'s queries over the piece's tokens:
     ``(count, Hq, L, Ev)``, ``(count, Hq, L)`` and, where asked for, the maximum scores
     ``(count, Hq)``."""
@@ -221,15 +129,16 @@ def _attend_piece(c: CacheCall, caches: tuple[Array, Array], piece: _Piece) -> t
     )
 
 
-def attend_chunks(c: CacheCall, caches: tuple[Array, Array]) -> tuple[Array, Array, Array]:
-    """Every piece on the thread pool, then one merge per sequence: output, log-sum-exp
-    and, where asked for, the maximum scores ``(B, Hq)`` (the largest of the pieces'),
-    else ``None``."""
+def attend_chunks(plan: DecodePlan, caches: tuple[Array, Array]) -> tuple[Array, Array, Array]:
+    """The ``"split"`` choice: every piece of the plan on the thread pool, then one merge
+    per sequence: output, log-sum-exp and, where asked for, the maximum scores ``(B, Hq)``
+    (the largest of the pieces'), else ``None``."""
+    c = plan.call
     xp = c.xp
     dtype = c.query.dtype
     compute = dtype if xp.finfo(dtype).bits >= 32 else xp.float32
     Hq, L, Ev = int(c.query.shape[1]), c.L, int(c.value_cache.shape[-1])
-    pieces = _plan(c) if L else []
+    pieces = plan.pieces
     results = map_blocks(xp, lambda piece: _attend_piece(c, caches, piece), pieces)
     by_sequence: list[list[tuple[Array, ...]]] = [[] for _ in range(c.B)]
     for piece, result in zip(pieces, results, strict=True):
@@ -260,3 +169,51 @@ def attend_chunks(c: CacheCall, caches: tuple[Array, Array]) -> tuple[Array, Arr
         )
     stacked = xp.stack(maxima, axis=0) if c.return_max_scores else None
     return xp.stack(outs, axis=0), xp.stack(lses, axis=0), stacked
+
+
+def _cut(term: Array | None, lo: int, n: int) -> Array | None:
+    """The caller's mask or bias ``(B|1, Hq|1, L|1, T|1)`` for the tokens ``[lo, n)``."""
+    if term is None or term.shape[-1] == 1:
+        return term
+    return term[..., lo:n]
+
+
+def single_call(plan: DecodePlan, caches: tuple[Array, Array]) -> tuple[Any, ...]:
+    """``(query, key, value, keywords)`` of the ``"single"`` choice's forward call: the
+    cache's tokens ``[lo, n)`` as views, and the options.
+
+    The keys are the cache's own, so the bottom-right diagonal stays on token ``n - 1``;
+    one query on it admits every token under ``is_causal``, so such a call is the forward's
+    plain call (whose plan the forward keeps: it costs what the forward costs on the
+    slice)."""
+    c = plan.call
+    lo, n = plan.span or (0, 0)
+    keywords = dict(c.passed)
+    causal = c.is_causal and c.L > 1
+    if causal or c.window is not None:
+        keywords.update(is_causal=causal, window=c.window, alignment="bottom_right")
+    if c.mask is not None:
+        keywords["mask"] = _cut(c.mask, lo, n)
+    if c.bias is not None:
+        keywords["bias"] = _cut(c.bias, lo, n)
+    if c.return_lse:
+        keywords["return_lse"] = True
+    if c.return_max_scores:
+        keywords["return_max_scores"] = True
+    return c.query, caches[0][:, :, lo:n, :], caches[1][:, :, lo:n, :], keywords
+
+
+def attend_single(plan: DecodePlan, caches: tuple[Array, Array]) -> tuple[Array, Any, Any]:
+    """The ``"single"`` choice: output, log-sum-exp (where asked for, else ``None``) and
+    maximum scores (likewise) of one forward call over the cache's tokens ``[lo, n)``
+    (:func:`single_call`)."""
+    c = plan.call
+    query, key, value, keywords = single_call(plan, caches)
+    result = scaled_dot_product_attention(query, key, value, **keywords)
+    if not (c.return_lse or c.return_max_scores):
+        return result, None, None
+    return (
+        result[0],
+        result[1] if c.return_lse else None,
+        result[-1] if c.return_max_scores else None,
+    )

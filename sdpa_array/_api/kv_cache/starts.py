@@ -20,7 +20,7 @@ def check_starts(
     xp: ModuleType,
     value: Any,
     B: int,
-    host_lengths: np.ndarray | None,
+    host_lengths: tuple[int, ...] | None,
     new: int,
     integers: Any,
 ) -> tuple[int, ...] | Any:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..._arrays.typing import Array
-from .args import CacheCall
+from ..._plan.kv_call import CacheCall
 
 __all__ = ["write_tokens"]
 
@@ -88,10 +88,26 @@ def _token_rows(c: CacheCall, new: Array) -> Array:
     return xp.reshape(xp.permute_dims(new, (0, 2, 1, 3)), (c.B * c.L, *new.shape[1:2], -1))
 
 
+def _write_contiguous(c: CacheCall, lengths: tuple[int, ...], cache: Array, new: Array) -> Array:
+    """A contiguous cache with lengths known on the host: one slice assignment where every
+    sequence has the same length (a batch decoding in step), else one per sequence."""
+    cache = _writable(c, cache, new)
+    L, first = c.L, lengths[0]
+    if all(n == first for n in lengths):
+        cache[:, :, first : first + L, :] = new
+        return cache
+    for b, n in enumerate(lengths):
+        cache[b, :, n : n + L, :] = new[b, ...]
+    return cache
+
+
 def _write_one(c: CacheCall, cache: Array, new: Array) -> Array:
     xp, L = c.xp, c.L
-    pages, rows = _targets(c)
     writer = _FUNCTIONAL_WRITERS.get(c.library)
+    lengths = c.host_lengths
+    if writer is None and not c.paged and lengths is not None:
+        return _write_contiguous(c, lengths, cache, new)
+    pages, rows = _targets(c)
     if writer is not None:
         return writer(cache, pages, rows, _token_rows(c, new))
     if not isinstance(pages, np.ndarray):  # positions known on the device only
