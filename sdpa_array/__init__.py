@@ -24,6 +24,7 @@ from importlib.metadata import version as _version
 from . import mods
 from ._api.dropout import dropout_keep_mask
 from ._api.explain import Explanation, explain
+from ._api.explain_cache import CacheExplanation, explain_kv_cache
 from ._api.forward import scaled_dot_product_attention
 from ._api.kv_cache import attention_with_kv_cache
 from ._api.memory import release_memory
@@ -40,6 +41,7 @@ from ._problem.block_mask import BlockMask, create_block_mask
 
 __all__ = [
     "BlockMask",
+    "CacheExplanation",
     "CannotDelegateError",
     "CannotUseTritonError",
     "Explanation",
@@ -47,6 +49,7 @@ __all__ = [
     "create_block_mask",
     "dropout_keep_mask",
     "explain",
+    "explain_kv_cache",
     "get_num_threads",
     "merge_attention_states",
     "mods",

@@ -45,6 +45,15 @@ class CacheExplanation:
     forward, forward_kernel : str or None
         ``"single"``: the implementation the forward call runs and the native kernel it
         delegates to (:func:`~sdpa_array.explain`); ``None`` otherwise.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import sdpa_array
+    >>> q, cache = np.zeros((1, 4, 1, 8)), np.zeros((1, 2, 16, 8))
+    >>> found = sdpa_array.explain_kv_cache(q, cache, cache, cache_lengths=[5], enable_gqa=True)
+    >>> found.kernel, found.span
+    ('single', (0, 5))
     """
 
     kernel: str
@@ -109,7 +118,7 @@ def explain_kv_cache(
     Examples
     --------
     >>> import numpy as np
-    >>> from sdpa_array._api.explain_cache import explain_kv_cache
+    >>> from sdpa_array import explain_kv_cache
     >>> q = np.zeros((1, 4, 1, 8))
     >>> cache = np.zeros((1, 2, 16, 8))
     >>> print(explain_kv_cache(q, cache, cache, cache_lengths=[5], enable_gqa=True))
