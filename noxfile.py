@@ -4,8 +4,9 @@
 integrations' tests, the NumPy and the torch tests at the lowest declared dependency
 versions on the oldest supported Python (``tests-min-deps``), ``lint``, ``docs`` and ``build``;
 ``nox -s tests-slow`` runs the ``slow`` tests on every CPU backend; ``nox -s tests-cupy``,
-``nox -s tests-cuda`` and ``nox -s tests-jax-cuda`` need a CUDA device; ``nox -s bench``
-runs the asv suite.
+``nox -s tests-cupy-cuda13``, ``nox -s tests-cuda``, ``nox -s tests-jax-cuda`` and
+``nox -s tests-jax-cuda13`` need a CUDA device; ``nox -s bench`` runs the asv suite.
+``tests-triton`` ends with the CPU rehearsal of ``python -m sdpa_array gpu-check``.
 """
 
 from __future__ import annotations
@@ -56,10 +57,27 @@ TEST_SESSIONS = {
     "tests-triton": ("torch", "test,triton", [TORCH], True),
     # The integrations with other frameworks (their tests, with the frameworks installed).
     "tests-integrations": ("torch", "test,transformers,flax", [TORCH], True),
-    # Need an NVIDIA GPU: not run by default.
+    # Need an NVIDIA GPU: not run by default (CUDA 12 builds, and CUDA 13 builds where
+    # the machine's driver has CUDA 13).
     "tests-cupy": ("cupy", "test,cupy", [], False),
+    "tests-cupy-cuda13": ("cupy", "test,cupy-cuda13", [], False),
     "tests-cuda": ("torch:cuda", "test,triton", ["torch"], False),
     "tests-jax-cuda": ("jax:cuda", "test,jax", ["jax[cuda12]"], False),
+    "tests-jax-cuda13": ("jax:cuda", "test,jax", ["jax[cuda13]"], False),
+}
+
+#: Sessions that need a GPU: their pytest runs without the pytest-benchmark plugin, which
+#: GPU machines often have and which aborts a run with workers under ``filterwarnings =
+#: error``.
+GPU_SESSIONS = frozenset(
+    name for name, spec in TEST_SESSIONS.items() if "cuda" in spec[0] or spec[0] == "cupy"
+)
+
+#: Commands a session runs after its tests (when it runs its default files): the CPU
+#: rehearsal of the GPU check, where torch and triton are installed (its JAX sections say
+#: that JAX is not installed there; tests/test_gpu_check.py covers them).
+AFTER_TESTS = {
+    "tests-triton": ["python", "-m", "sdpa_array", "gpu-check", "--cpu-rehearsal", "--out"],
 }
 
 
@@ -118,6 +136,7 @@ def _define_test_session(
         ]
     select = ["-m", marks] if marks else []
     workers = ["-n", str(SLOW_WORKERS)] if name == "tests-slow" else []
+    plugins = ["-p", "no:benchmark"] if name in GPU_SESSIONS else []
 
     def run_tests(session: nox.Session) -> None:
         if reqs:
@@ -129,6 +148,7 @@ def _define_test_session(
         session.run(
             "pytest",
             "--durations=10",
+            *plugins,
             *workers,
             *select,
             *targets,
@@ -136,6 +156,8 @@ def _define_test_session(
             *session.posargs,
             env=env,
         )
+        if name in AFTER_TESTS and not session.posargs:
+            session.run(*AFTER_TESTS[name], session.create_tmp())
 
     which = f"the tests marked {marks!r}" if marks else "every test"
     run_tests.__doc__ = f"Run {which} with SDPA_BACKENDS={backends}" + (

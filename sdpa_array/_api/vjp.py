@@ -32,7 +32,12 @@ from .._problem.scalar_options import check_flag
 from .jax_eager import eager_jax, run_jitted
 from .layout import check_layout, swap_heads_and_length
 
-__all__ = ["check_cotangent", "check_grad_output", "scaled_dot_product_attention_vjp"]
+__all__ = [
+    "check_cotangent",
+    "check_grad_output",
+    "check_saved_forward",
+    "scaled_dot_product_attention_vjp",
+]
 
 
 def check_grad_output(p: Problem, query: Array, grad_output: Array) -> None:
@@ -70,6 +75,44 @@ def check_cotangent(
         )
 
 
+def check_saved_forward(p: Problem, query: Array, out: Array, lse: Array) -> None:
+    """Raise unless ``out`` and ``lse`` are both ``None`` or both arrays of ``query``'s
+    library: ``out`` with the output's dtype and shape ``p.out_shape``, ``lse`` a real
+    floating array of shape ``p.out_shape[:-1]`` (what the forward returns with
+    ``return_lse=True``)."""
+    if out is None and lse is None:
+        return
+    if out is None or lse is None:
+        given, missing = ("out", "lse") if lse is None else ("lse", "out")
+        raise ValueError(
+            f"{given} was given without {missing}: pass both the forward's output and its "
+            "log-sum-exp (return_lse=True), or neither"
+        )
+    kind = f"{type(query).__module__}.{type(query).__qualname__}"
+    for name, x in (("out", out), ("lse", lse)):
+        try:
+            array_namespace({"query": query, name: x})
+        except TypeError:
+            got = f"{type(x).__module__}.{type(x).__qualname__}"
+            raise TypeError(
+                f"{name} must be an array of the inputs' library ({kind}), got {got}"
+            ) from None
+    if out.dtype != query.dtype:
+        raise TypeError(f"out must have the output's dtype {query.dtype}, got {out.dtype}")
+    if not p.xp.isdtype(lse.dtype, "real floating"):
+        raise TypeError(f"lse must be a real floating array, got dtype {lse.dtype}")
+    rows = p.out_shape[:-1]
+    for name, x, shape, named in (
+        ("out", out, p.out_shape, "(..., Hq, L, Ev)"),
+        ("lse", lse, rows, "(..., Hq, L)"),
+    ):
+        if tuple(x.shape) != shape:
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)}; the forward's {name} of this call has "
+                f"shape {named} = {shape}"
+            )
+
+
 @names_peer_spellings
 def scaled_dot_product_attention_vjp(
     query: Array,
@@ -101,6 +144,8 @@ def scaled_dot_product_attention_vjp(
     block_q: int | None = None,
     block_k: int | None = None,
     layout: Layout = "BHLE",
+    out: Array | None = None,
+    lse: Array | None = None,
 ) -> tuple[Array, ...]:
     r"""Gradients of :func:`scaled_dot_product_attention` for an output cotangent.
 
@@ -151,6 +196,14 @@ def scaled_dot_product_attention_vjp(
     layout : {"BHLE", "BLHE"}, default "BHLE"
         As for :func:`scaled_dot_product_attention`: with ``"BLHE"``, ``query``, ``key``,
         ``value``, ``grad_output`` and their gradients are ``(..., L, H, E)``.
+    out, lse : array, optional
+        The forward's output and log-sum-exp for the same arguments (both or neither):
+        ``scaled_dot_product_attention(..., return_lse=True)``, shapes ``(..., Hq, L, Ev)``
+        (``(..., L, Hq, Ev)`` with ``"BLHE"``) and ``(..., Hq, L)``. Given them, the
+        backward takes the probabilities as ``P = exp(Z - lse)`` and
+        ``D = rowsum(grad_output * out)`` instead of running the forward pass again (the
+        blocked, materialized, Triton and Dask backward kernels; ``"native"`` differentiates
+        the library's own kernel, which computes its forward anew).
 
     Returns
     -------
@@ -181,7 +234,8 @@ def scaled_dot_product_attention_vjp(
         parameters, or with parameters that are not floating arrays of the inputs' library.
     ValueError
         As for the forward; also a ``grad_output`` whose shape is not the output's, an
-        unknown ``implementation``, or block sizes for the materialized implementation.
+        unknown ``implementation``, block sizes for the materialized implementation, only
+        one of ``out`` and ``lse``, or either of them not of the forward's shape.
 
     Notes
     -----
@@ -216,15 +270,29 @@ def scaled_dot_product_attention_vjp(
     array([[0.3333],
            [0.3333],
            [0.3333]])
+
+    With the forward's output and log-sum-exp at hand (a training step keeps them), the
+    backward does not compute the forward again:
+
+    >>> from sdpa_array import scaled_dot_product_attention
+    >>> out, lse = scaled_dot_product_attention(q, k, v, return_lse=True)
+    >>> grads = scaled_dot_product_attention_vjp(q, k, v, np.ones((1, 1)), out=out, lse=lse)
+    >>> grads[2].round(4)
+    array([[0.3333],
+           [0.3333],
+           [0.3333]])
     """
     options = Options.gather(locals())
-    check_layout(layout, {"query": query, "key": key, "value": value, "grad_output": grad_output})
+    named = {"query": query, "key": key, "value": value, "grad_output": grad_output, "out": out}
+    check_layout(layout, named)
     if layout == "BLHE":  # computed heads-first on views, the gradients swapped back
         calls: dict[str, Any] = {
             "implementation": implementation,
             "block_q": block_q,
             "block_k": block_k,
             "return_mod_gradients": return_mod_gradients,
+            "out": swap_heads_and_length(out)[0],
+            "lse": lse,
         }
         grads = scaled_dot_product_attention_vjp(
             *swap_heads_and_length(query, key, value, grad_output),
@@ -234,6 +302,7 @@ def scaled_dot_product_attention_vjp(
         return (*swap_heads_and_length(*grads[:3]), *grads[3:])
     p = validate(query, key, value, options)
     check_grad_output(p, query, grad_output)
+    check_saved_forward(p, query, out, lse)
     check_flag("return_mod_gradients", return_mod_gradients)
     if return_mod_gradients:
         check_mod_gradients(p.xp, score_mod, bias_mod)
@@ -244,6 +313,8 @@ def scaled_dot_product_attention_vjp(
             "block_q": block_q,
             "block_k": block_k,
             "return_mod_gradients": return_mod_gradients,
+            "out": out,
+            "lse": lse,
         }
         done, result = run_jitted(
             scaled_dot_product_attention_vjp,
@@ -252,4 +323,9 @@ def scaled_dot_product_attention_vjp(
         )
         if done:
             return result  # type: ignore[no-any-return]
-    return run_vjp(query, key, value, grad_output, options, implementation, (block_q, block_k), p)
+    if lse is not None:  # the kernels read it in the compute dtype
+        lse = p.xp.astype(lse, p.compute_dtype, copy=False)
+    blocks = (block_q, block_k)
+    return run_vjp(
+        query, key, value, grad_output, options, implementation, blocks, p, out=out, lse=lse
+    )

@@ -331,6 +331,7 @@ def assert_vjp_close_to_oracle(
     mask: Array | None = None,
     bias: Array | None = None,
     fused: bool = False,
+    rounded_output: bool = False,
     **options: Any,
 ) -> None:
     """Check gradients of attention (``(dq, dk, dv[, dbias][, dsinks][, dscale][,
@@ -356,6 +357,9 @@ def assert_vjp_close_to_oracle(
         The call's ``mask`` and ``bias``.
     fused : bool, default False
         Whether the backward ran a fused kernel in the inputs' dtype (see above).
+    rounded_output : bool, default False
+        Whether the backward read the forward's output in the inputs' dtype (the call's
+        ``out=``): ``D = rowsum(dO * O)`` then carries its rounding.
     **options
         The call's other keyword arguments, as given to it.
 
@@ -390,6 +394,7 @@ def assert_vjp_close_to_oracle(
         bias=_host_or_none(bias),
         base2=fused,
         rounded_operands=fused,
+        rounded_output=rounded_output,
         **options,
     )
     named = {"dq": query, "dk": key, "dv": value, "dbias": bias, "dsinks": sinks}

@@ -36,6 +36,7 @@ def vjp_oracle_and_bounds(
     bias: np.ndarray | None = None,
     base2: bool = False,
     rounded_operands: bool = False,
+    rounded_output: bool = False,
     grad_lse: np.ndarray | None = None,
     **options: Any,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -107,6 +108,11 @@ def vjp_oracle_and_bounds(
       [admissible]``; ``dQ`` and ``dK`` read ``dS`` rounded: ``e_S`` grows by
       ``u_r |dS| + eta [admissible]`` in them.
 
+    A backward given the forward's output in the inputs' dtype (``rounded_output``: the
+    caller's ``out=``) reads ``D = rowsum(dO * O)`` from ``O`` rounded to ``dtype``: ``e_D``
+    grows by the same ``2 u_r W + eta rowsum(A [admissible])`` (the other terms of
+    ``rounded_operands`` do not apply; a fused kernel has them all).
+
     A cotangent ``h`` of the log-sum-exp (``grad_lse``, ``(..., Hq, L)``): since
     ``d lse_i / d z_ij = P_ij`` (the softmax before dropout; ``p_sink_i`` for a sink), the
     expected gradients gain those of ``dZ = P h`` (``dS = dZ`` times ``1 - tanh²`` under a
@@ -140,6 +146,9 @@ def vjp_oracle_and_bounds(
     rounded_operands : bool, default False
         Add the terms of a kernel that rounds ``P`` and ``dS`` to ``dtype`` before its
         matrix products (see above).
+    rounded_output : bool, default False
+        Add the term of a backward that reads the forward's output rounded to ``dtype``
+        (see above).
     grad_lse : numpy.ndarray, optional
         A cotangent ``h`` of the log-sum-exp, broadcastable to ``(..., Hq, L)`` (see above).
     **options
@@ -206,7 +215,7 @@ def vjp_oracle_and_bounds(
     eps = 3 * ds + (2 * S + 10) * u + 2 * u * lse_max
     if base2:
         eps += base2_terms(dtype, S=S, lse_max=lse_max)["weights"]
-    u_r, eta = operand_rounding(dtype) if rounded_operands else (0.0, 0.0)
+    u_r, eta = operand_rounding(dtype) if rounded_operands or rounded_output else (0.0, 0.0)
     dO = np.abs(d_out)
     A = np.matmul(dO, np.swapaxes(np.abs(prep["v_rep"]), -1, -2))
     keep = fwd["keep"] if fwd["keep"] is not None else 1.0
@@ -224,7 +233,7 @@ def vjp_oracle_and_bounds(
     e_D = (eps + (S + Ev + 3) * u) * W + u * np.sum(A * admissible, axis=-1, keepdims=True)
     if grad_lse is not None:
         e_D = e_D + u * W_D
-    if rounded_operands:
+    if rounded_operands or rounded_output:
         e_D = e_D + 2 * u_r * W + eta * np.sum(A * admissible, axis=-1, keepdims=True)
     e_Z = e_P * R + P * ((Ev + 2) * u * A + e_D) + 2 * u * P * R
     Z_abs = P * R

@@ -1,4 +1,5 @@
-"""The command line: ``python -m sdpa_array [demo|bench|experiments] ...`` (``demo`` by default).
+"""The command line: ``python -m sdpa_array [demo|bench|experiments|gpu-check] ...``
+(``demo`` by default).
 
 ``explain`` is not a command: :func:`sdpa_array.explain` describes the plan of one call, and
 the command that ran the Theory page's experiments under that name is ``experiments``.
@@ -15,6 +16,10 @@ COMMANDS = {
     "experiments": (
         f"{__name__}.experiments",
         "run the 'why it works' experiments of the Theory page and draw figures",
+    ),
+    "gpu-check": (
+        f"{__name__}.gpu_check",
+        "verify and measure every GPU path (--cpu-rehearsal: the same on the CPU)",
     ),
 }
 
