@@ -65,10 +65,10 @@ def assert_array_like(actual: Array, like: Array, *, shape: tuple[int, ...], dty
     >>> q = np.ones((2, 3, 4), dtype=np.float32)
     >>> out = scaled_dot_product_attention(q, q, q)
     >>> assert_array_like(out, q, shape=(2, 3, 4), dtype=np.float32)
-    >>> assert_array_like(out, q, shape=(2, 3, 4), dtype=np.float64)
+    >>> assert_array_like(out, q, shape=(2, 3, 4), dtype=np.float64)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
         ...
-    AssertionError: dtype float32 != <class 'numpy.float64'>
+    AssertionError: dtype float32 != <class 'numpy.float64'>...
     """
     assert type(actual) is type(like), f"array type {type(actual)} != {type(like)}"
     assert array_namespace({"a": actual}) is array_namespace({"b": like})
@@ -104,10 +104,10 @@ def assert_close(actual: Array, expected: np.ndarray, bound: float, what: str = 
     >>> import numpy as np
     >>> from sdpa_array.testing import assert_close
     >>> assert_close(np.array([1.0, -np.inf]), np.array([1.05, -np.inf]), 0.1)
-    >>> assert_close(np.array([1.0, 2.0]), np.array([1.0, 2.5]), 0.1)
+    >>> assert_close(np.array([1.0, 2.0]), np.array([1.0, 2.5]), 0.1)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
         ...
-    AssertionError: out: max error 5.000e-01 exceeds the bound 1.000e-01
+    AssertionError: out: max error 5.000e-01 exceeds the bound 1.000e-01...
     """
     got = reference.to_numpy(actual).astype(np.float64)
     assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
