@@ -196,16 +196,23 @@ def test_refused_for_lazy_dask_arrays():
     assert not _decision(q, k, v)
 
 
-def test_not_taken_with_max_scores(monkeypatch):
+def test_taken_with_max_scores_too(monkeypatch):
+    """Asking for the maximum scores keeps the fixed reference (the scores' maxima are
+    read beside it), with the same output as the call without them."""
     calls = []
+    real = blocked.fixed_reference
     monkeypatch.setattr(
-        blocked, "fixed_reference", lambda p, ops, bound=None: calls.append(1) or True
+        blocked,
+        "fixed_reference",
+        lambda p, ops, bound=None: calls.append(1) or real(p, ops, bound),
     )
     q, k, v = _unit()
-    sdpa_array.scaled_dot_product_attention(
+    out, _ = sdpa_array.scaled_dot_product_attention(
         q, k, v, implementation="blocked", return_max_scores=True
     )
-    assert calls == []
+    assert calls == [1]
+    plain = sdpa_array.scaled_dot_product_attention(q, k, v, implementation="blocked")
+    np.testing.assert_array_equal(out, plain)
 
 
 def _mask(L, S):

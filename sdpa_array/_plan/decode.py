@@ -133,7 +133,9 @@ def call_signature(
     Triton kernels may be asked: arrays off the CPU, or ``implementation="triton"``), and
     the options with their types; ``None`` where
     that is more than a signature (an array or a function among the options, arrays whose
-    checks are not kept)."""
+    checks are not kept) or a required array is missing."""
+    if any(a is None for a in arrays[:3]):  # the checks name what is missing
+        return None
     found: list[Any] = []
     for a in arrays:
         one = None if a is None else plain_signature(a)
