@@ -15,8 +15,9 @@ __all__ = ["ring_attention"]
 
 #: Options of :func:`sdpa_array.scaled_dot_product_attention` the ring does not take.
 UNSUPPORTED = (
-    "mask", "bias", "padding_side", "segment_ids", "dropout_p", "dropout_seed", "mask_mod", "bias_mod", "score_mod", "return_weights",
-    "return_max_scores", "block_q", "block_k", "layout",
+    "mask", "bias", "padding_side", "segment_ids", "dropout_p", "dropout_seed", "mask_mod",
+    "bias_mod", "score_mod", "return_weights", "return_max_scores", "block_q", "block_k",
+    "layout",
 )  # fmt: skip
 
 
@@ -175,9 +176,10 @@ def ring_attention(
         An option the ring does not take (``mask``, ``bias``, ``padding_side``, segment
         ids, dropout, mask/bias/score functions, ...), lengths with
         ``alignment="bottom_right"`` and a causal or window restriction, an unknown
-        ``sharding``, a zigzag slice of odd length, JAX without ``axis_name``; with torch, also on every
-        participant when any participant's slices or options differ from the others' or
-        fail the checks (the participants exchange them first, so none waits forever).
+        ``sharding``, a zigzag slice of odd length, JAX without ``axis_name``; with torch,
+        also on every participant when any participant's slices or options differ from
+        the others' or fail the checks (the participants exchange them first, so none
+        waits forever).
     """
     for name in unsupported:
         if name in UNSUPPORTED:
@@ -220,13 +222,13 @@ def _torch_call(
     sequences = lengths
     try:
         check_sharding(sharding)
-        sequences = _check_local(
-            query, key, value, options, sharding, comm.world_size, lengths
-        )
+        sequences = _check_local(query, key, value, options, sharding, comm.world_size, lengths)
     except (TypeError, ValueError) as e:
         error = f"{type(e).__name__}: {e}"
     arrays = [
-        (tuple(a.shape), str(a.dtype), a.device.type) if hasattr(a, "shape") else repr(a)
+        (tuple(a.shape), str(a.dtype), a.device.type)
+        if a is not None and hasattr(a, "shape")
+        else repr(a)
         for a in (query, key, value, options.sinks)
     ]
     chosen = (sharding, *(getattr(options, n) for n in ("is_causal", "window", "alignment")))

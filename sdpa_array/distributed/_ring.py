@@ -57,7 +57,11 @@ class Ring:
     def schedule(self, rank: int) -> list[list[BlockPair]]:
         if rank not in self._schedules:
             self._schedules[rank] = schedule_of(
-                self.options, rank, self.world_size, self.sharding, self.lengths,
+                self.options,
+                rank,
+                self.world_size,
+                self.sharding,
+                self.lengths,
                 self.by_lengths,
             )
         return self._schedules[rank]
@@ -66,9 +70,7 @@ class Ring:
         return self.schedule(rank)[step]
 
     def _chunks(self, n: int) -> list[range]:
-        restricted = split_by_position(
-            self.options, self.world_size, self.lengths, self.by_lengths
-        )
+        restricted = split_by_position(self.options, self.world_size, self.lengths, self.by_lengths)
         return [r for r, _ in local_chunks(0, self.world_size, self.sharding, n, restricted)]
 
     def query_chunks(self) -> list[range]:
