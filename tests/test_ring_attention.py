@@ -32,15 +32,23 @@ from sdpa_array.testing import Backend, assert_close_to_oracle, assert_vjp_close
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: ``(sharding, is_causal, dtype, heads of the query, heads of key/value, window)``: both
-#: shardings, causal and not, in float32 and float64, with GQA, and one case of each
-#: without GQA and with a window.
+#: ``(sharding, is_causal, dtype, heads of the query, heads of key/value, window, extras)``:
+#: both shardings, causal and not, in float32 and float64, with GQA, and one case of each
+#: without GQA and with a window; then sinks (of shape ``(Hq,)`` or ``(B, Hq)``) with query
+#: and key lengths counted over the whole sequence, causal in both shardings and not
+#: causal with zigzag (whose two chunks sit apart).
 CASES = [
-    (sharding, causal, dtype, 4, 2, None)
+    (sharding, causal, dtype, 4, 2, None, "")
     for sharding in ("contiguous", "zigzag")
     for causal in (False, True)
     for dtype in ("float32", "float64")
-] + [("zigzag", True, "float64", 2, 2, None), ("contiguous", True, "float64", 4, 2, (5, 1))]
+] + [
+    ("zigzag", True, "float64", 2, 2, None, ""),
+    ("contiguous", True, "float64", 4, 2, (5, 1), ""),
+    ("contiguous", True, "float64", 4, 2, None, "sinks lengths"),
+    ("zigzag", True, "float32", 4, 2, None, "batch-sinks lengths"),
+    ("zigzag", False, "float64", 4, 2, None, "sinks lengths"),
+]
 
 #: Per-participant sequence length of every case (zigzag: two chunks of 2).
 N = 4
@@ -51,15 +59,26 @@ DEADLINE = 150
 
 
 def _inputs(case: tuple[Any, ...], world_size: int, seed: int) -> dict[str, np.ndarray]:
-    _, _, dtype, hq, hkv, _ = case
+    _, _, dtype, hq, hkv, _, extras = case
     rng = np.random.default_rng(seed)
     L = N * world_size
     shapes = {"q": (2, hq, L, E), "k": (2, hkv, L, E), "v": (2, hkv, L, E), "g": (2, hq, L, E)}
-    return {name: rng.standard_normal(s).astype(dtype) for name, s in shapes.items()}
+    arrays = {name: rng.standard_normal(s).astype(dtype) for name, s in shapes.items()}
+    if "sinks" in extras:
+        shape = (2, hq) if "batch-sinks" in extras else (hq,)
+        arrays["sinks"] = rng.standard_normal(shape).astype(dtype)
+    if "lengths" in extras:  # padding rows in the last participants' slices, an empty key row
+        arrays["query_lengths"] = np.array([L - 3, L // 2 - 1])
+        arrays["key_lengths"] = np.array([L - 1, L // 2 + 1])
+    return arrays
+
+
+#: The inputs beyond query, key and value that a case passes as options.
+EXTRAS = ("sinks", "query_lengths", "key_lengths")
 
 
 def _options(case: tuple[Any, ...]) -> dict[str, Any]:
-    _, causal, _, hq, hkv, window = case
+    _, causal, _, hq, hkv, window, _ = case
     return {"is_causal": causal, "window": window, "enable_gqa": hq != hkv}
 
 
@@ -94,14 +113,19 @@ def _torch_participant(rank: int, world_size: int, port: int, path: str) -> None
             return x.clone().requires_grad_(True)
 
         q, k, v = mine(arrays["q"]), mine(arrays["k"]), mine(arrays["v"])
+        extra = {n: torch.from_numpy(arrays[n]) for n in EXTRAS if n in arrays}
+        if "sinks" in extra:  # replicated: every rank holds the whole array
+            extra["sinks"].requires_grad_(True)
         stats = RingStats()
         out, lse = ring_attention(
-            q, k, v, sharding=sharding, return_lse=True, stats=stats, **_options(case)
+            q, k, v, sharding=sharding, return_lse=True, stats=stats, **_options(case), **extra
         )
         out.backward(
             shard_sequence(torch.from_numpy(arrays["g"]), rank, world_size, sharding=sharding)
         )
         got = [t.detach().numpy() for t in (out, lse, q.grad, k.grad, v.grad)]
+        if "sinks" in extra:  # this rank's part of the sinks' gradient
+            got.append(extra["sinks"].grad.numpy())
         results.append((got, stats))
     errors = []
     q = torch.zeros(1, 2, 4 if rank else 6, E)  # one participant's slice is longer
@@ -144,22 +168,30 @@ def _jax_participants(path: str) -> None:
         mesh = Mesh(np.array(jax.devices()[:world_size]), ("sp",))
         rows, lse_rows = Spec(None, None, "sp", None), Spec(None, None, "sp")
 
-        def body(q: Any, k: Any, v: Any, case: Any = case) -> Any:
-            return ring_attention(
-                q, k, v, axis_name="sp", sharding=case[0], return_lse=True, **_options(case)
-            )
+        names = [n for n in EXTRAS if n in arrays]  # replicated over the mesh
 
-        ring = shard_map(body, mesh=mesh, in_specs=(rows,) * 3, out_specs=(rows, lse_rows))
+        def body(q: Any, k: Any, v: Any, *extra: Any, case: Any = case, names: Any = names) -> Any:
+            return ring_attention(
+                q, k, v, axis_name="sp", sharding=case[0], return_lse=True, **_options(case),
+                **dict(zip(names, extra, strict=True)),
+            )  # fmt: skip
+
+        specs = (rows,) * 3 + (Spec(),) * len(names)
+        ring = shard_map(body, mesh=mesh, in_specs=specs, out_specs=(rows, lse_rows))
 
         def order(a: Any, axis: int = -2, n: int = world_size, s: str = sharding) -> Any:
             return reorder_for_sharding(a, n, sharding=s, axis=axis)
 
-        def loss(q: Any, k: Any, v: Any, g: Any, ring: Any = ring, order: Any = order) -> Any:
-            return jnp.sum(ring(order(q), order(k), order(v))[0] * order(g))
+        def loss(
+            q: Any, k: Any, v: Any, g: Any, *extra: Any, ring: Any = ring, order: Any = order
+        ) -> Any:
+            return jnp.sum(ring(order(q), order(k), order(v), *extra)[0] * order(g))
 
         q, k, v, g = (jnp.asarray(arrays[n]) for n in "qkvg")
-        out, lse = jax.jit(ring)(order(q), order(k), order(v))
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, g)
+        extra = [jnp.asarray(arrays[n]) for n in names]
+        out, lse = jax.jit(ring)(order(q), order(k), order(v), *extra)
+        argnums = (0, 1, 2, 4) if "sinks" in names else (0, 1, 2)
+        grads = jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, g, *extra)
         full = [
             restore_order(out, world_size, sharding=sharding),
             restore_order(lse, world_size, sharding=sharding, axis=-1),
@@ -179,10 +211,15 @@ def _check(
     """The joined output, log-sum-exp and gradients of one case against the oracle."""
     dtype = case[2]
     q, k, v, g = (backend.asarray(arrays[n], dtype) for n in "qkvg")
-    out, lse, dq, dk, dv = (backend.asarray(a, str(a.dtype)) for a in full)
+    out, lse, *grads = (backend.asarray(a, str(a.dtype)) for a in full)
     options = _options(case)
+    if "sinks" in arrays:
+        options["sinks"] = backend.asarray(arrays["sinks"], dtype)
+    for name in ("query_lengths", "key_lengths"):
+        if name in arrays:
+            options[name] = arrays[name]
     assert_close_to_oracle((out, lse), q, k, v, return_lse=True, **options)
-    assert_vjp_close_to_oracle((dq, dk, dv), q, k, v, g, **options)
+    assert_vjp_close_to_oracle(tuple(grads), q, k, v, g, **options)
 
 
 def _run_torch_group(world_size: int, tmp_path: Path) -> tuple[list[Any], list[Any]]:
@@ -221,6 +258,8 @@ def test_torch_ring_matches_oracle(
             unshard_sequence(p, sharding=sharding, axis=-1 if j == 1 else -2)
             for j, p in enumerate(parts)
         ]
+        if "sinks" in arrays:  # the ranks' parts of a replicated parameter's gradient add up
+            full.append(sum(r[0][i][0][5] for r in per_rank))
         _check(torch_cpu_backend, case, arrays, full)
         # the pairs each participant computed are the schedule's, and what it sent
         kv_bytes = (arrays["k"].nbytes + arrays["v"].nbytes) // world_size
@@ -229,7 +268,8 @@ def test_torch_ring_matches_oracle(
             plan = ring_schedule(
                 rank, world_size, N, sharding=sharding, is_causal=case[1], window=case[5]
             )
-            assert stats.pairs == [len(step) for step in plan]
+            if "lengths" not in case[6]:  # lengths split zigzag's chunks without a band
+                assert stats.pairs == [len(step) for step in plan]
             assert stats.bytes_sent == (world_size - 1) * kv_bytes
             assert stats.backward_bytes_sent == (2 * world_size - 1) * kv_bytes
     # a participant whose slices differ raises on every participant, and none hangs
@@ -245,8 +285,9 @@ def test_torch_ring_matches_oracle(
 
 
 #: The JAX cases (each compiles anew): over 4 devices both shardings, causal and not, each
-#: in one dtype (both dtypes in all), and the cases without GQA and with a window; one over 2.
-JAX_WORK = [(4, CASES[i]) for i in (0, 3, 5, 6, 8, 9)] + [(2, CASES[7])]
+#: in one dtype (both dtypes in all), the cases without GQA and with a window, and with sinks
+#: and lengths; two over 2.
+JAX_WORK = [(4, CASES[i]) for i in (0, 3, 5, 6, 8, 9, 10, 11)] + [(2, CASES[7]), (2, CASES[12])]
 
 
 def test_jax_ring_matches_oracle(jax_backend: Backend, tmp_path: Path) -> None:
@@ -331,8 +372,8 @@ def test_unsupported_options_are_named(torch_cpu_backend: Backend) -> None:
     q = torch_cpu_backend.asarray(np.zeros((1, 2, 4, 8)), "float32")
     with pytest.raises(ValueError, match="does not support mask"):
         ring_attention(q, q, q, mask=q > 0)
-    with pytest.raises(ValueError, match="does not support sinks"):
-        ring_attention(q, q, q, sinks=q[0, :, 0, 0])
+    with pytest.raises(ValueError, match="does not support segment_ids"):
+        ring_attention(q, q, q, segment_ids=(q[0, 0, :, 0], q[0, 0, :, 0]))
     with pytest.raises(TypeError, match="unexpected keyword argument 'causal'"):
         ring_attention(q, q, q, causal=True)
     with pytest.raises(ValueError, match=r"torch\.distributed initialised"):

@@ -6,7 +6,9 @@ block's causal and window restrictions are those of the whole call, its
 :class:`~sdpa_array._problem.band.Band` moved to the block's offsets, exactly as the Dask
 graph moves it for a chunk pair: the block is validated as a call of its own, its band
 replaced by the whole call's with the diagonal of its first query at key
-``offset + rows - cols``, and the planner and kernels run it as any call. The backward
+``offset + rows - cols``, its lengths (counted over the whole sequence) moved to its first
+query and key as the Dask graph moves them, and the planner and kernels run it as any
+call. The backward
 of a block takes the whole call's output and log-sum-exp of its query rows (the softmax's
 normaliser covers every key block), so that summing the blocks' gradients gives the call's.
 """
@@ -16,15 +18,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .._arrays.compat import array_namespace
 from .._arrays.typing import Array
 from .._plan.run import run_forward, run_vjp
 from .._problem.band import Band, window_bounds
 from .._problem.options import Options
 from .._problem.outputs import Outputs
 from .._problem.problem import Problem, validate
+from .._problem.sequences import lengths_at
 from .vjp import check_grad_output
 
-__all__ = ["block_band", "block_forward", "block_vjp"]
+__all__ = ["block_band", "block_forward", "block_options", "block_vjp"]
 
 
 def block_band(options: Options, extent: tuple[int, int], rows: slice, cols: slice) -> Band:
@@ -41,6 +45,23 @@ def block_band(options: Options, extent: tuple[int, int], rows: slice, cols: sli
         left=left,
         right=right,
         offset=offset + rows.start - cols.start,
+    )
+
+
+def block_options(
+    options: Options, lengths: tuple[Array | None, Array | None], rows: range, cols: range
+) -> Options:
+    """The options of the block of absolute query positions ``rows`` and key positions
+    ``cols``: ``options`` with the whole call's ``(query_lengths, key_lengths)`` (integer
+    arrays of the inputs' library, or ``None``; padding on the right) moved to the block's
+    first query and key and clipped to its rows and columns."""
+    q_len, k_len = lengths
+    if q_len is None and k_len is None:
+        return options
+    xp = array_namespace({"lengths": q_len if q_len is not None else k_len})
+    return options.replace(
+        query_lengths=None if q_len is None else lengths_at(xp, q_len, rows.start, len(rows)),
+        key_lengths=None if k_len is None else lengths_at(xp, k_len, cols.start, len(cols)),
     )
 
 

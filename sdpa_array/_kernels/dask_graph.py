@@ -39,6 +39,7 @@ from .._problem.band import Band
 from .._problem.options import Options
 from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem, validate
+from .._problem.sequences import lengths_at
 from .blocked import blocked_attention
 from .layout import broadcast_if_needed, grouped_operand, grouped_score_term, sum_to_shape, ungroup
 from .restrictions import Restriction, Restrictions, TileKind
@@ -199,8 +200,8 @@ def _chunk_call(
     """The validated chunk problem of one pair: its restrictions at the pair's offsets."""
     xp = array_namespace({"query": q})
     Lc, Sc = int(q.shape[-2]), int(k.shape[-2])
-    q_len = None if ql is None else xp.clip(ql - r0, 0, Lc)
-    k_len = None if kl is None else xp.clip(kl - c0, 0, Sc)
+    q_len = None if ql is None else lengths_at(xp, ql, r0, Lc)
+    k_len = None if kl is None else lengths_at(xp, kl, c0, Sc)
     band = replace(st.band, L=Lc, S=Sc, offset=st.band.offset + r0 - c0)
     if st.shifted:  # the diagonal of sequence b sits at i + kl[b] - ql[b]
         shift: Any = (st.band.S if kl is None else kl) - (st.band.L if ql is None else ql)

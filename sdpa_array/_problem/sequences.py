@@ -23,7 +23,7 @@ import numpy as np
 from .._arrays.compat import array_namespace, device, host_values, is_array_api_obj
 from .._arrays.typing import Array
 
-__all__ = ["Lengths", "Segments", "check_lengths", "check_segments", "zero_past"]
+__all__ = ["Lengths", "Segments", "check_lengths", "check_segments", "lengths_at", "zero_past"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,13 @@ class Segments:
     key: Array
     query_host: np.ndarray | None
     key_host: np.ndarray | None
+
+
+def lengths_at(xp: ModuleType, lengths: Array, offset: int, n: int) -> Array:
+    """The lengths of the block of ``n`` rows at ``offset`` of the whole sequence: each
+    sequence's valid rows among them, ``lengths - offset`` clipped to ``[0, n]`` (padding
+    on the right)."""
+    return xp.clip(lengths - offset, 0, n)
 
 
 def zero_past(

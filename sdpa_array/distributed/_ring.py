@@ -6,6 +6,13 @@ merges each pair's partial ``(out, lse)`` into its query chunk's running result
 (:func:`~sdpa_array.merge_attention_states`); the backward adds each pair's gradients,
 computed from the whole call's output and log-sum-exp, into the query chunk's ``dq`` and
 the key chunk's ``dk``, ``dv`` (which travel on with the slice).
+
+Lengths (counted over the whole sequence) reach each pair at its absolute offsets
+(:func:`~sdpa_array._api.blocks.block_options`). Sinks are folded in once, after the last
+step (:func:`finish_forward`): each row's log-sum-exp gains the sink's term and its output
+shrinks by the same factor; the backward then takes that log-sum-exp, so the blocks'
+probabilities are the whole call's, and the sinks' gradient comes from the participant's
+rows (:func:`sink_gradient`).
 """
 
 from __future__ import annotations
@@ -13,14 +20,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .._api.blocks import block_forward, block_vjp
+from .._api.blocks import block_forward, block_options, block_vjp
 from .._arrays.compat import array_namespace, device
 from .._arrays.merge import merge_attention_states
 from .._arrays.typing import Array
+from .._kernels.layout import sum_to_shape
 from .._problem.options import Options
 from ._schedule import BlockPair, local_chunks, schedule_of, split_by_position
 
-__all__ = ["Ring", "backward_step", "forward_step"]
+__all__ = ["Ring", "backward_step", "forward_step", "sink_gradient"]
+
+#: The whole call's ``(query_lengths, key_lengths)``: integer arrays or ``None``.
+Lengths = tuple[Any, Any]
 
 
 class Ring:
@@ -33,18 +44,25 @@ class Ring:
         sharding: str,
         lengths: tuple[int, int],
         implementation: str,
+        by_lengths: bool = False,
     ) -> None:
-        self.options = options
+        self.options = options  # without lengths: they reach the steps as arrays
         self.world_size = world_size
         self.sharding = sharding
         self.lengths = lengths  # local query and key lengths
         self.implementation = implementation
+        self.by_lengths = by_lengths  # sequence lengths (query or key) restrict the call
         self._schedules: dict[int, list[list[BlockPair]]] = {}
 
     def schedule(self, rank: int) -> list[list[BlockPair]]:
         if rank not in self._schedules:
             self._schedules[rank] = schedule_of(
-                self.options, rank, self.world_size, self.sharding, self.lengths
+                self.options,
+                rank,
+                self.world_size,
+                self.sharding,
+                self.lengths,
+                self.by_lengths,
             )
         return self._schedules[rank]
 
@@ -52,7 +70,7 @@ class Ring:
         return self.schedule(rank)[step]
 
     def _chunks(self, n: int) -> list[range]:
-        restricted = split_by_position(self.options, self.world_size, self.lengths)
+        restricted = split_by_position(self.options, self.world_size, self.lengths, self.by_lengths)
         return [r for r, _ in local_chunks(0, self.world_size, self.sharding, n, restricted)]
 
     def query_chunks(self) -> list[range]:
@@ -86,8 +104,9 @@ def empty_state(ring: Ring, q: Array, v: Array, compute: Any) -> list[tuple[Arra
 
 
 def forward_step(
-    ring: Ring, rank: int, step: int, q: Array, k: Array, v: Array, state: list[Any]
-) -> list[Any]:
+    ring: Ring, rank: int, step: int, q: Array, k: Array, v: Array, state: list[Any],
+    lengths: Lengths = (None, None),
+) -> list[Any]:  # fmt: skip
     """The running ``(out, lse)`` per query chunk after the pairs of ``(rank, step)``."""
     xp = array_namespace({"query": q})
     chunks = ring.query_chunks()
@@ -98,7 +117,7 @@ def forward_step(
             _rows(q, pair.query_rows),
             _rows(k, pair.key_rows),
             _rows(v, pair.key_rows),
-            ring.options,
+            block_options(ring.options, lengths, pair.query_positions, pair.key_positions),
             pair.band,
             ring.implementation,
         )
@@ -108,14 +127,34 @@ def forward_step(
     return state
 
 
-def finish_forward(state: list[Any], dtype: Any) -> tuple[Array, Array]:
-    """The slice's output (in ``dtype``) and log-sum-exp from the chunks' results."""
+def finish_forward(state: list[Any], dtype: Any, sinks: Array | None = None) -> tuple[Array, Array]:
+    """The slice's output (in ``dtype``) and log-sum-exp from the chunks' results, with
+    ``sinks`` (broadcastable to ``(..., Hq)``) folded in: ``lse' = logaddexp(lse, sink)``,
+    ``out' = out * exp(lse - lse')`` (a sink is one more logit whose value row is zero)."""
     xp = array_namespace({"out": state[0][0]})
     outs = [o for o, _ in state]
     lses = [s for _, s in state]
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
     lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-1)
+    if sinks is not None:
+        sink = xp.astype(sinks, lse.dtype)[..., None]
+        total = xp.logaddexp(lse, sink)
+        kept = xp.where(total == -math.inf, 0.0, xp.exp(lse - total))
+        out, lse = out * kept[..., None], total
     return xp.astype(out, dtype, copy=False), lse
+
+
+def sink_gradient(sinks: Array, grad_out: Array, out: Array, lse: Array) -> Array:
+    """The gradient of ``sinks`` from this participant's rows: ``-sum_i p_i D_i`` with the
+    sink's share ``p_i = exp(sink - lse_i)`` (``lse`` includes the sink) and ``D_i =
+    rowsum(dO * O)``, summed to the sinks' shape and dtype."""
+    xp = array_namespace({"out": out})
+    compute = lse.dtype
+    sink = xp.astype(sinks, compute)[..., None]
+    share = xp.where(lse == -math.inf, 0.0, xp.exp(sink - lse))
+    delta = xp.sum(xp.astype(grad_out, compute) * xp.astype(out, compute), axis=-1)
+    grad = -xp.sum(share * delta, axis=-1)
+    return xp.astype(sum_to_shape(xp, grad, tuple(sinks.shape)), sinks.dtype)
 
 
 def zero_grads(ring: Ring, k: Array, v: Array) -> list[Any]:
@@ -140,6 +179,7 @@ def backward_step(
     v: Array,
     dq: list[Array],
     dkv: list[Any],
+    lengths: Lengths = (None, None),
 ) -> tuple[list[Array], list[Any]]:
     """``dq`` per query chunk and ``(dk, dv)`` per key chunk of the held slice after the
     pairs of ``(rank, step)``; ``saved``: the participant's query, output cotangent,
@@ -156,7 +196,7 @@ def backward_step(
             _rows(grad_out, pair.query_rows),
             _rows(out, pair.query_rows),
             _rows(lse, pair.query_rows, features=False),
-            ring.options,
+            block_options(ring.options, lengths, pair.query_positions, pair.key_positions),
             pair.band,
         )
         dq[i] = dq[i] + gq

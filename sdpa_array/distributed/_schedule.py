@@ -196,21 +196,24 @@ def local_chunks(
     return [(range(i * m, (i + 1) * m), c * m) for i, c in enumerate(chunks)]
 
 
-def split_by_position(options: Options, world_size: int, lengths: tuple[int, int]) -> bool:
-    """Whether positions restrict the call (causal, a window), so that the zigzag
-    sharding's two chunks are computed apart."""
+def split_by_position(
+    options: Options, world_size: int, lengths: tuple[int, int], by_lengths: bool = False
+) -> bool:
+    """Whether positions restrict the call (causal, a window, sequence lengths:
+    ``by_lengths``), so that the zigzag sharding's two chunks are computed apart."""
     extent = (lengths[0] * world_size, lengths[1] * world_size)
-    return block_band(options, extent, slice(0, 1), slice(0, 1)).restricts
+    return by_lengths or block_band(options, extent, slice(0, 1), slice(0, 1)).restricts
 
 
 def schedule_of(
-    options: Options, rank: int, world_size: int, sharding: str, lengths: tuple[int, int]
-) -> list[list[BlockPair]]:
+    options: Options, rank: int, world_size: int, sharding: str, lengths: tuple[int, int],
+    by_lengths: bool = False,
+) -> list[list[BlockPair]]:  # fmt: skip
     """The pairs participant ``rank`` computes at each step, for local lengths ``(n_q,
-    n_k)`` (options validated)."""
+    n_k)`` (options validated); ``by_lengths``: sequence lengths restrict the call."""
     n_q, n_k = lengths
     extent = (n_q * world_size, n_k * world_size)
-    restricted = split_by_position(options, world_size, lengths)
+    restricted = split_by_position(options, world_size, lengths, by_lengths)
     queries = local_chunks(rank, world_size, sharding, n_q, restricted)
     steps = []
     for step in range(world_size):

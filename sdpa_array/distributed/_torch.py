@@ -6,7 +6,10 @@ computes the step's pairs on the slice it holds, then waits: two slices at a tim
 Backward (:class:`RingFunction`): the key/value slices go round again the same way; each
 rank computes its pairs' gradients of the slice it holds into fresh ``(dk, dv)``, adds the
 gradients that arrived for that slice from rank ``r - 1`` and sends the sum on to
-``r + 1``; after ``P`` steps every slice's gradients are back with their owner.
+``r + 1``; after ``P`` steps every slice's gradients are back with their owner. The
+gradient of ``sinks`` is the rank's own part, from its rows (no communication): ``sinks``
+is a replicated parameter, whose gradients the caller sums over the ranks as for any
+other (``DistributedDataParallel`` does).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ._ring import (
     empty_state,
     finish_forward,
     forward_step,
+    sink_gradient,
     zero_dq,
     zero_grads,
 )
@@ -103,8 +107,9 @@ def check_participants(ring: TorchRing, summary: tuple[Any, ...], error: str | N
 
 def _forward(
     ring: Ring, comm: TorchRing, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    stats: RingStats | None,
+    extra: tuple[Any, Any], stats: RingStats | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    sinks, lengths = extra
     compute = torch.float32 if torch.finfo(q.dtype).bits < 32 else q.dtype
     state = empty_state(ring, q, v, compute)
     held = [k, v]
@@ -114,7 +119,7 @@ def _forward(
             requests, incoming, sent = comm.start(held)
             if stats is not None:
                 stats.bytes_sent += sent
-        state = forward_step(ring, comm.rank, step, q, held[0], held[1], state)
+        state = forward_step(ring, comm.rank, step, q, held[0], held[1], state, lengths)
         if stats is not None:
             pairs = ring.pairs(comm.rank, step)
             stats.pairs.append(len(pairs))
@@ -122,12 +127,12 @@ def _forward(
         if not last:
             comm.wait(requests)
             held = incoming
-    return finish_forward(state, q.dtype)
+    return finish_forward(state, q.dtype, sinks)
 
 
 def _backward(
     ring: Ring, comm: TorchRing, saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor,
-    stats: RingStats | None,
+    lengths: tuple[Any, Any], stats: RingStats | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     q, k, v, out, lse = saved
     dq = zero_dq(ring, q)
@@ -141,7 +146,7 @@ def _backward(
                 stats.backward_bytes_sent += sent
         dq, dkv = backward_step(
             ring, comm.rank, step, (q, grad_out, out, lse), held[0], held[1], dq,
-            zero_grads(ring, held[0], held[1]),
+            zero_grads(ring, held[0], held[1]), lengths,
         )  # fmt: skip
         if arriving is not None:  # the slice's gradients from the ranks before
             comm.wait(arriving[0])
@@ -168,31 +173,39 @@ class RingFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup: Any
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Any, setup: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        ring, comm, stats = setup
-        out, lse = _forward(ring, comm, q.detach(), k.detach(), v.detach(), stats)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ring, comm, lengths, stats = setup
+        detached = None if sinks is None else sinks.detach()
+        out, lse = _forward(
+            ring, comm, q.detach(), k.detach(), v.detach(), (detached, lengths), stats
+        )
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.setup = setup
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor, _grad_lse: Any) -> tuple[Any, ...]:
-        ring, comm, stats = ctx.setup
-        q, k, v, out, lse = ctx.saved_tensors
+        ring, comm, lengths, stats = ctx.setup
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv = _backward(ring, comm, (q, k, v, out, lse), grad_out, stats)
-        return dq, dk, dv, None
+        dq, dk, dv = _backward(ring, comm, (q, k, v, out, lse), grad_out, lengths, stats)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            dsinks = sink_gradient(sinks, grad_out, out, lse)
+        return dq, dk, dv, dsinks, None
 
 
 def ring_function(
     ring: Ring, comm: TorchRing, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    stats: RingStats | None,
+    sinks: Any, lengths: tuple[Any, Any], stats: RingStats | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(out, lse)`` of this rank's rows, differentiable in ``q``, ``k``, ``v``."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, lse = RingFunction.apply(q, k, v, (ring, comm, stats))  # type: ignore[no-untyped-call]
+    """``(out, lse)`` of this rank's rows, differentiable in ``q``, ``k``, ``v`` and
+    ``sinks`` (its gradient: this rank's part)."""
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        out, lse = RingFunction.apply(q, k, v, sinks, (ring, comm, lengths, stats))  # type: ignore[no-untyped-call]
         return out, lse
-    return _forward(ring, comm, q, k, v, stats)
+    return _forward(ring, comm, q, k, v, (sinks, lengths), stats)
