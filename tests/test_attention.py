@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import array_api_compat
 import numpy as np
 import pytest
 
@@ -231,8 +232,8 @@ def test_one_admissible_key_gives_its_value_exactly_native(native_backend_dtype,
 
 def _nan_score_mod(s, b, h, i, j):
     """NaN for every score of query 1 (of the first head), the scores elsewhere."""
-    xp = sdpa_array._arrays.compat.array_namespace({"s": s})
-    nan = xp.asarray(math.nan, dtype=s.dtype, device=s.device)
+    xp = array_api_compat.array_namespace(s)
+    nan = xp.asarray(math.nan, dtype=s.dtype, device=array_api_compat.device(s))
     return xp.where(xp.logical_and(i == 1, h == 0), nan, s)
 
 
