@@ -60,8 +60,9 @@ numpydoc_xref_param_type = False
 # Every documented function, method and class (the public API, the lab, the oracle and the
 # testing helpers) describes each of its parameters and returns, with numpydoc's type
 # spellings (a warning, so an error under `-W`, otherwise). The records the library makes
-# (BlockMask, Explanation, CacheExplanation) are left out: they document their fields as Attributes. The
-# lab's result records and testing's Backend document theirs as Parameters instead.
+# (BlockMask, Explanation, CacheExplanation) are left out: they document their fields as
+# Attributes. The lab's result records and testing's Backend document theirs as Parameters
+# instead.
 numpydoc_validation_checks = {"PR01", "PR02", "PR03", "PR06", "PR07", "RT01", "RT03"}
 numpydoc_validation_exclude = {
     r"\.BlockMask$",
