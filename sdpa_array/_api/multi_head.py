@@ -211,14 +211,10 @@ def multi_head_attention(
         if x is None:
             raise TypeError(f"{name} must be an array, got None")
     check_flag("add_zero_attn", add_zero_attn)
-    if options.keys() - _ATTENTION_KEYWORDS:
-        raise TypeError(
-            unexpected_keywords(
-                "multi_head_attention",
-                options.keys() - _ATTENTION_KEYWORDS,
-                _ATTENTION_KEYWORDS | {"num_heads", "num_kv_heads", "add_zero_attn"},
-            )
-        )
+    unknown = options.keys() - _ATTENTION_KEYWORDS
+    if unknown:
+        known = _ATTENTION_KEYWORDS | {"num_heads", "num_kv_heads", "add_zero_attn"}
+        raise TypeError(unexpected_keywords("multi_head_attention", unknown, known))
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _check(query, key, value, params, num_heads, kv_heads)
     given = {f"params[{n!r}]": v for n, v in params.items() if v is not None}
