@@ -15,9 +15,8 @@ from typing import Any
 from .._arrays.typing import Array, Layout
 from .._plan.decode import plan_decode
 from .explain import explain
-from .kv_cache.args import check_call
+from .kv_cache.call import gather
 from .kv_cache.chunks import single_call
-from .layout import check_layout, swap_heads_and_length
 
 __all__ = ["CacheExplanation", "explain_kv_cache"]
 
@@ -126,27 +125,7 @@ def explain_kv_cache(
       passed over: triton: auto uses the Triton kernels on a GPU only
     forward: materialized
     """
-    check_layout(
-        layout,
-        {"query": query, "key_cache": key_cache, "value_cache": value_cache,
-         "new_key": new_key, "new_value": new_value},
-    )  # fmt: skip
-    if layout == "BLHE":  # planned as the call runs: heads first
-        query, key_cache, value_cache, new_key, new_value = swap_heads_and_length(
-            query, key_cache, value_cache, new_key, new_value
-        )
-    c = check_call(
-        query,
-        key_cache,
-        value_cache,
-        cache_lengths=cache_lengths,
-        new_key=new_key,
-        new_value=new_value,
-        block_table=block_table,
-        num_splits=num_splits,
-        options=options,
-        cache_leftpad=cache_leftpad,
-    )
+    c, _ = gather(locals())  # planned as the call runs: heads first
     plan = plan_decode(c)
     choice = plan.choice
     forward = kernel = None

@@ -10,7 +10,7 @@ and JAX autodiff where needed); :mod:`sdpa_array._kernels.result` casts and pack
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 from .._arrays.typing import (
     Alignment,
@@ -22,14 +22,12 @@ from .._arrays.typing import (
     PaddingSide,
     ScoreMod,
 )
-from .._plan import cache
 from .._plan.run import run_forward
-from .._problem.options import Options
-from .._problem.outputs import Outputs
 from .._problem.peer_keywords import names_peer_spellings
 from .._problem.problem import validate
+from .call import Call, direct_call
 from .jax_eager import eager_jax, run_jitted
-from .layout import check_layout, heads_first_forward
+from .layout import heads_first_forward
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -442,57 +440,21 @@ def scaled_dot_product_attention(
     >>> bool(np.allclose(out, full, atol=1e-6))
     True
     """
-    # every option but three at its default (compared so that no value of another type
-    # is asked for its truth): a direct call kept for these arrays?
-    if (
-        mask is None
-        and bias is None
-        and window is None
-        and type(alignment) is str
-        and alignment == "top_left"
-        and softcap is None
-        and query_lengths is None
-        and key_lengths is None
-        and type(padding_side) is str
-        and padding_side == "right"
-        and segment_ids is None
-        and sinks is None
-        and type(dropout_p) is float
-        and dropout_p == 0.0
-        and dropout_seed is None
-        and mask_mod is None
-        and bias_mod is None
-        and score_mod is None
-        and return_weights is False
-        and return_lse is False
-        and return_max_scores is False
-        and block_q is None
-        and block_k is None
-        and type(layout) is str
-        and layout == "BHLE"
-    ):
-        run = cache.direct(query, key, value, (is_causal, scale, enable_gqa), implementation)
-        if run is not None:
-            return run(query, key, value)
-    options = Options.gather(locals())
-    outputs = Outputs.of(return_weights, return_lse, return_max_scores)
-    check_layout(layout, {"query": query, "key": key, "value": value})
-
-    def keywords() -> dict[str, Any]:
-        """The call's keywords but the layout, for calling this function again."""
-        calls = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
-        return {**options.keywords(), **outputs.flags, **calls}
-
-    if layout == "BLHE":  # computed heads-first on views, the output swapped back
-        return heads_first_forward(scaled_dot_product_attention, query, key, value, keywords())
+    arguments = locals()
+    run = direct_call(arguments)  # every option but three at its default, a call kept
+    if run is not None:
+        return run(query, key, value)
+    call = Call.gather(arguments, ("query", "key", "value"))
+    if call.layout == "BLHE":  # computed heads-first on views, the output swapped back
+        again = call.keywords()
+        return heads_first_forward(scaled_dot_product_attention, query, key, value, again)
     problem = None
     if eager_jax([query, key, value]):  # compiled whole, once per setup (after the checks)
-        problem = validate(query, key, value, options)
+        problem = validate(query, key, value, call.options)
         if problem.L and problem.S:
             arrays = (query, key, value)
-            done, result = run_jitted(scaled_dot_product_attention, arrays, keywords())
+            done, result = run_jitted(scaled_dot_product_attention, arrays, call.keywords())
             if done:
                 return result
-    return run_forward(
-        query, key, value, options, outputs, implementation, (block_q, block_k), problem
-    )
+    planned = (call.options, call.outputs, call.implementation, call.blocks)
+    return run_forward(query, key, value, *planned, problem)

@@ -230,44 +230,16 @@ class MultiheadAttention(nn.Module):
             without ``need_weights``.
         """
         batched = query.dim() == 3
-        if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
-            raise ValueError(
-                "query, key and value must be all 3-D (batched) or all 2-D (unbatched), got "
-                f"shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
-            )
         if is_causal and attn_mask is None:
             raise ValueError(
                 "is_causal is a hint that attn_mask is the causal mask: pass attn_mask too "
                 "(as torch.nn.MultiheadAttention requires)"
             )
-        if batched and not self.batch_first:
-            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        if not batched:
-            query, key, value = (t.unsqueeze(0) for t in (query, key, value))
-        N, L, S = query.shape[0], query.shape[1], key.shape[1]
+        query, key, value = self._batch_first(query, key, value)
+        sizes = (query.shape[0], query.shape[1], key.shape[1])
+        given = attn_mask if not is_causal else None
+        mask, bias = self._masks(key_padding_mask, given, sizes, batched)
         extra = int(self.bias_k is not None) + int(self.add_zero_attn)
-        mask, bias = None, None
-        if key_padding_mask is not None:
-            kpm = key_padding_mask if batched else key_padding_mask.unsqueeze(0)
-            if tuple(kpm.shape) != (N, S):
-                raise ValueError(
-                    f"key_padding_mask must be (batch, source length) = {(N, S)}, got "
-                    f"{tuple(key_padding_mask.shape)}"
-                )
-            mask, bias = _as_terms(kpm[:, None, None, :], "key_padding_mask")
-        if attn_mask is not None and not is_causal:
-            am = attn_mask
-            heads = self.num_heads
-            if am.dim() == 3:
-                expected = (N * heads, L, S) if batched else (heads, L, S)
-                if tuple(am.shape) != expected:
-                    raise ValueError(f"a 3-D attn_mask must be {expected}, got {tuple(am.shape)}")
-                am = am.reshape(N, heads, L, S)
-            elif am.dim() != 2 or tuple(am.shape) != (L, S):
-                raise ValueError(f"attn_mask must be (L, S) = {(L, S)} or 3-D, got {am.shape}")
-            m, b = _as_terms(am, "attn_mask")
-            mask = _combine(mask, m, torch.logical_and)
-            bias = _combine(bias, b, torch.add)
         options: dict[str, Any] = {
             "mask": _pad_keys(mask, extra, True),
             "bias": _pad_keys(bias, extra, 0.0),
@@ -290,3 +262,50 @@ class MultiheadAttention(nn.Module):
         elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights
+
+    def _batch_first(self, *arrays: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The query, key and value checked to be all 3-D or all 2-D, batch first (an
+        unbatched call given a batch of one)."""
+        if arrays[0].dim() not in (2, 3) or any(t.dim() != arrays[0].dim() for t in arrays):
+            raise ValueError(
+                "query, key and value must be all 3-D (batched) or all 2-D (unbatched), got "
+                f"shapes {', '.join(str(tuple(t.shape)) for t in arrays)}"
+            )
+        if arrays[0].dim() == 2:
+            return tuple(t.unsqueeze(0) for t in arrays)
+        if not self.batch_first:
+            return tuple(t.transpose(0, 1) for t in arrays)
+        return arrays
+
+    def _masks(
+        self,
+        key_padding_mask: torch.Tensor | None,
+        attn_mask: torch.Tensor | None,
+        sizes: tuple[int, int, int],
+        batched: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The boolean mask and the additive bias of torch's two masks (checked against
+        the batch-first ``(N, L, S)`` of the call), broadcastable to ``(N, H, L, S)``."""
+        N, L, S = sizes
+        mask, bias = None, None
+        if key_padding_mask is not None:
+            kpm = key_padding_mask if batched else key_padding_mask.unsqueeze(0)
+            if tuple(kpm.shape) != (N, S):
+                raise ValueError(
+                    f"key_padding_mask must be (batch, source length) = {(N, S)}, got "
+                    f"{tuple(key_padding_mask.shape)}"
+                )
+            mask, bias = _as_terms(kpm[:, None, None, :], "key_padding_mask")
+        if attn_mask is not None:
+            am, heads = attn_mask, self.num_heads
+            if am.dim() == 3:
+                expected = (N * heads, L, S) if batched else (heads, L, S)
+                if tuple(am.shape) != expected:
+                    raise ValueError(f"a 3-D attn_mask must be {expected}, got {tuple(am.shape)}")
+                am = am.reshape(N, heads, L, S)
+            elif am.dim() != 2 or tuple(am.shape) != (L, S):
+                raise ValueError(f"attn_mask must be (L, S) = {(L, S)} or 3-D, got {am.shape}")
+            m, b = _as_terms(am, "attn_mask")
+            mask = _combine(mask, m, torch.logical_and)
+            bias = _combine(bias, b, torch.add)
+        return mask, bias

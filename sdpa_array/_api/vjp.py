@@ -10,7 +10,6 @@ inputs' shapes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from .._arrays.compat import array_namespace
 from .._arrays.typing import (
@@ -25,12 +24,12 @@ from .._arrays.typing import (
 )
 from .._plan.run import run_vjp
 from .._problem.mod_parameters import check_mod_gradients
-from .._problem.options import Options
 from .._problem.peer_keywords import names_peer_spellings
 from .._problem.problem import Problem, validate
 from .._problem.scalar_options import check_flag
+from .call import Call
 from .jax_eager import eager_jax, run_jitted
-from .layout import check_layout, swap_heads_and_length
+from .layout import swap_heads_and_length
 
 __all__ = [
     "check_cotangent",
@@ -282,25 +281,13 @@ def scaled_dot_product_attention_vjp(
            [0.3333],
            [0.3333]])
     """
-    options = Options.gather(locals())
-    named = {"query": query, "key": key, "value": value, "grad_output": grad_output, "out": out}
-    check_layout(layout, named)
-    if layout == "BLHE":  # computed heads-first on views, the gradients swapped back
-        calls: dict[str, Any] = {
-            "implementation": implementation,
-            "block_q": block_q,
-            "block_k": block_k,
-            "return_mod_gradients": return_mod_gradients,
-            "out": swap_heads_and_length(out)[0],
-            "lse": lse,
-        }
-        grads = scaled_dot_product_attention_vjp(
-            *swap_heads_and_length(query, key, value, grad_output),
-            **options.keywords(),
-            **calls,
-        )
+    arrays = ("query", "key", "value", "grad_output", "out")
+    call = Call.gather(locals(), arrays, others=("return_mod_gradients", "out", "lse"))
+    if call.layout == "BLHE":  # computed heads-first on views, the gradients swapped back
+        views = swap_heads_and_length(query, key, value, grad_output, out)
+        grads = scaled_dot_product_attention_vjp(*views[:4], **call.keywords(out=views[4]))
         return (*swap_heads_and_length(*grads[:3]), *grads[3:])
-    p = validate(query, key, value, options)
+    p = validate(query, key, value, call.options)
     check_grad_output(p, query, grad_output)
     check_saved_forward(p, query, out, lse)
     check_flag("return_mod_gradients", return_mod_gradients)
@@ -308,24 +295,11 @@ def scaled_dot_product_attention_vjp(
         check_mod_gradients(p.xp, score_mod, bias_mod)
         p = dataclasses.replace(p, mod_gradients=True)
     if p.L and p.S and eager_jax([query, key, value, grad_output]):  # compiled whole
-        calls = {
-            "implementation": implementation,
-            "block_q": block_q,
-            "block_k": block_k,
-            "return_mod_gradients": return_mod_gradients,
-            "out": out,
-            "lse": lse,
-        }
-        done, result = run_jitted(
-            scaled_dot_product_attention_vjp,
-            (query, key, value, grad_output),
-            {**options.keywords(), **calls},
-        )
+        arrays4 = (query, key, value, grad_output)
+        done, result = run_jitted(scaled_dot_product_attention_vjp, arrays4, call.keywords())
         if done:
             return result  # type: ignore[no-any-return]
     if lse is not None:  # the kernels read it in the compute dtype
         lse = p.xp.astype(lse, p.compute_dtype, copy=False)
-    blocks = (block_q, block_k)
-    return run_vjp(
-        query, key, value, grad_output, options, implementation, blocks, p, out=out, lse=lse
-    )
+    planned = (call.options, call.implementation, call.blocks, p)
+    return run_vjp(query, key, value, grad_output, *planned, out=out, lse=lse)

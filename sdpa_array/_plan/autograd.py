@@ -69,7 +69,7 @@ from .._kernels.result import AttentionResult, finish_gradients
 from .._problem.mod_parameters import declared_parameters, trainable_mods
 from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
-from .captured import mods_hold, with_captured
+from .captured import jax_tracer, mods_hold, torch_trainable, with_captured
 from .dispatch import Choice, choose
 
 __all__ = ["forward"]
@@ -94,9 +94,9 @@ def _forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> Attenti
     if not outputs.weights:
         library = namespace_name(p.xp)
         if library == "torch" and _torch_grad_enabled():
-            trained, unexplained = with_captured(p, _torch_trainable)
-            params = _trainable_parameters(trained, _torch_trainable)
-            held = unexplained or mods_hold(trained, _torch_trainable, params)
+            trained, unexplained = with_captured(p, torch_trainable)
+            params = _trainable_parameters(trained, torch_trainable)
+            held = unexplained or mods_hold(trained, torch_trainable, params)
             if _torch_needs_grad(x) or params or held:
                 backward = _torch_backward_choice(choice, p, x, outputs.lse)
                 if backward is not None and held:
@@ -105,10 +105,10 @@ def _forward(choice: Choice, p: Problem, x: Inputs, outputs: Outputs) -> Attenti
                     return _torch_forward(choice, backward, trained, x, outputs, params)
         if library == "jax" and choice.row.own_autograd:
             trained = p  # nothing traced: nothing to hoist (jax.closure_convert caches)
-            if _jax_traced(x) or mods_hold(p, _jax_tracer):
-                trained, _ = with_captured(p, _jax_tracer)
-            params = _trainable_parameters(trained, _jax_tracer, rebuilt=True)
-            if mods_hold(trained, _jax_tracer, params):
+            if _jax_traced(x) or mods_hold(p, jax_tracer):
+                trained, _ = with_captured(p, jax_tracer)
+            params = _trainable_parameters(trained, jax_tracer, rebuilt=True)
+            if mods_hold(trained, jax_tracer, params):
                 return _materialized_instead(choice, p, x, outputs)
             if _jax_traced(x) or params:
                 return _jax_forward(choice, p, trained, x, outputs, params)
@@ -137,12 +137,6 @@ def _torch_grad_enabled() -> bool:
     import torch
 
     return bool(torch.is_grad_enabled())
-
-
-def _jax_tracer(a: Any) -> bool:
-    import jax
-
-    return isinstance(a, jax.core.Tracer)
 
 
 def _statistic(p: Problem, a: Array) -> Array:
@@ -205,12 +199,6 @@ def _problem_arrays(p: Problem) -> tuple[Array, ...]:
         None if seg is None else seg.key,
         seed,
     )
-
-
-def _torch_trainable(a: Any) -> bool:
-    import torch
-
-    return isinstance(a, torch.Tensor) and a.requires_grad
 
 
 def _materialized_instead(

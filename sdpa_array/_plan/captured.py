@@ -24,7 +24,21 @@ from .._problem.mod_calls import index_grid
 from .._problem.mod_parameters import declared_parameters, has_parameters
 from .._problem.problem import Problem
 
-__all__ = ["held_arrays", "mods_hold", "with_captured"]
+__all__ = ["held_arrays", "jax_tracer", "mods_hold", "torch_trainable", "with_captured"]
+
+
+def torch_trainable(a: Any) -> bool:
+    """Whether ``a`` is a torch tensor that requires grad (what torch's autograd follows)."""
+    import torch
+
+    return isinstance(a, torch.Tensor) and a.requires_grad
+
+
+def jax_tracer(a: Any) -> bool:
+    """Whether ``a`` is a JAX tracer (what JAX's transformations follow)."""
+    import jax
+
+    return isinstance(a, jax.core.Tracer)
 
 
 def held_arrays(obj: Any, autodiff_array: Callable[[Any], bool], depth: int = 4) -> list[Any]:

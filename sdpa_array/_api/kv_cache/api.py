@@ -8,8 +8,7 @@ from typing import Any
 
 from ..._arrays.typing import Array, Layout
 from ..._plan.decode import DecodePlan, plan_decode, run_decode_kernel
-from ..layout import check_layout, swap_heads_and_length
-from .args import check_call
+from .call import gather, result
 from .chunks import attend_chunks, attend_single
 from .write import write_tokens
 
@@ -191,51 +190,11 @@ def attention_with_kv_cache(
     >>> bool(np.allclose(out_paged, out))
     True
     """
-    check_layout(
-        layout,
-        {"query": query, "key_cache": key_cache, "value_cache": value_cache,
-         "new_key": new_key, "new_value": new_value},
-    )  # fmt: skip
-    if layout == "BLHE":  # computed heads first on views; the caller's caches returned
-        views = swap_heads_and_length(query, key_cache, value_cache, new_key, new_value)
-        result = attention_with_kv_cache(
-            views[0],
-            views[1],
-            views[2],
-            cache_lengths=cache_lengths,
-            cache_leftpad=cache_leftpad,
-            new_key=views[3],
-            new_value=views[4],
-            block_table=block_table,
-            num_splits=num_splits,
-            **options,
-        )
-        returned = [
-            given if got is view else swap_heads_and_length(got)[0]
-            for got, view, given in zip(
-                result[-2:], views[1:3], (key_cache, value_cache), strict=True
-            )
-        ]
-        return (swap_heads_and_length(result[0])[0], *result[1:-2], *returned)
-    c = check_call(
-        query,
-        key_cache,
-        value_cache,
-        cache_lengths=cache_lengths,
-        new_key=new_key,
-        new_value=new_value,
-        block_table=block_table,
-        num_splits=num_splits,
-        options=options,
-        cache_leftpad=cache_leftpad,
-    )
+    c, given = gather(locals())  # heads first: "BLHE" arrays as views
     plan = plan_decode(c)  # raises CannotUseTritonError before any work
     caches = write_tokens(c)
-    out, lse, max_scores = RUNS[plan.choice.name](plan, caches)
-    extras = [lse] if c.return_lse else []
-    if c.return_max_scores:
-        extras.append(max_scores)
-    return (out, *extras, *caches)
+    found = RUNS[plan.choice.name](plan, caches)
+    return result(c, given, found, caches)
 
 
 #: How each of the planner's choices runs (:data:`~sdpa_array._plan.decode.DECODE_KERNELS`),
