@@ -168,3 +168,36 @@ def test_options_are_gathered_once():
             ):
                 crowded.append(f"{path.name}:{node.lineno} call {ast.unparse(node.func)}")
     assert crowded == []
+
+
+#: The most lines of code (the docstring aside) of a public entry point, which reads as: check
+#: and gather the arguments, plan, run, shape the result.
+MAX_ENTRY_LINES = 40
+
+
+def _public_names() -> set[str]:
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "__all__":
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("sdpa_array/__init__.py has no __all__")
+
+
+def test_entry_points_are_short():
+    """Each public function of the face, and the torch module's ``forward``, has at most
+    :data:`MAX_ENTRY_LINES` lines of code; the argument handling they share lives in
+    ``_api/call.py`` and ``_api/kv_cache/call.py``."""
+    public = _public_names() | {"forward"}
+    lengths = {}
+    for path in (PACKAGE / "_api").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name in public:
+                body = node.body
+                documented = isinstance(body[0], ast.Expr) and isinstance(
+                    body[0].value, ast.Constant
+                )
+                first = body[1] if documented and len(body) > 1 else body[0]
+                lengths[f"{path.name}:{node.name}"] = (node.end_lineno or 0) - first.lineno + 1
+    assert "forward.py:scaled_dot_product_attention" in lengths
+    assert "api.py:attention_with_kv_cache" in lengths
+    assert {k: n for k, n in lengths.items() if n > MAX_ENTRY_LINES} == {}
