@@ -147,6 +147,17 @@ def test_landing_page_code_runs_and_prints_what_it_says(library, capsys):
     assert capsys.readouterr().out.strip() == printed_comment(block)
 
 
+def test_performance_page_code_prints_what_it_says(capsys):
+    """The performance page's code (the tiles ``explain`` counts) prints its comment."""
+    text = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.+?)\n```", text, flags=re.S)
+    assert blocks
+    for block in blocks:
+        printed = [ln for ln in block.splitlines() if ln.startswith("# ")]
+        exec(compile(block, "docs/performance.md", "exec"), {})
+        assert capsys.readouterr().out.strip() == "\n".join(ln[2:] for ln in printed)
+
+
 # --- The pages speak of the library as it is ------------------------------------------------
 
 #: Mentions of the development's bookkeeping: an issue or a stop by number.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._arrays.typing import Array
-from .._plan.plan import native_vjp_kernel, plan_forward, plan_vjp
+from .._plan.plan import TileSummary, native_vjp_kernel, plan_forward, plan_vjp, tiles_of
 from .._problem.options import Options
 from .._problem.outputs import Outputs
 from .layout import check_layout, swap_heads_and_length
@@ -41,6 +41,10 @@ class Explanation:
         FlashAttention. Its error bound has the ``base2`` and ``rounded_operands`` terms of
         :mod:`sdpa_array.testing.bounds`; the library's own generic kernels compute a
         half-precision call's products in float32.
+    forward_tiles : TileSummary or None
+        For a blocked forward: its block sizes and how many tiles of the score matrices it
+        visits (full, or with a mask) and skips, with the share of the scores it computes
+        (as FlexAttention's ``BlockMask`` prints its sparsity); ``None`` otherwise.
 
     Examples
     --------
@@ -61,6 +65,7 @@ class Explanation:
     vjp_why: tuple[str, ...]
     forward_fused: bool = False
     vjp_fused: bool = False
+    forward_tiles: TileSummary | None = None
 
     def __str__(self) -> str:
         lines = []
@@ -69,6 +74,8 @@ class Explanation:
             ("vjp", self.vjp, self.vjp_kernel, self.vjp_why),
         ):
             lines.append(f"{what}: {name}" + (f" ({kernel})" if kernel else ""))
+            if what == "forward" and self.forward_tiles is not None:
+                lines.append(f"  {self.forward_tiles}")
             lines.extend(f"  passed over: {reason}" for reason in why)
         return "\n".join(lines)
 
@@ -146,6 +153,7 @@ def explain(
         vjp_why=vjp.why,
         forward_fused=_fused(forward.name, p.on_gpu),
         vjp_fused=_fused(vjp.name, p.on_gpu),
+        forward_tiles=tiles_of(plan),
     )
 
 

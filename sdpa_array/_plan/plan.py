@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 from .._arrays.typing import Array
 from .._kernels.native import Request, plan_native, plan_native_vjp
+from .._kernels.tile_summary import TileSummary, summarize_tiles
 from .._problem.options import Options
 from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem, validate
 from . import cache
 from .dispatch import Choice, choose
 
-__all__ = ["Plan", "native_vjp_kernel", "plan_forward", "plan_vjp"]
+__all__ = ["Plan", "TileSummary", "native_vjp_kernel", "plan_forward", "plan_vjp", "tiles_of"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,3 +106,11 @@ def plan_vjp(
 def native_vjp_kernel(p: Problem, x: Inputs) -> str:
     """The native kernel whose backward a VJP planned ``"native"`` for ``p`` runs."""
     return plan_native_vjp(p, x).kernel
+
+
+def tiles_of(plan: Plan) -> TileSummary | None:
+    """The tiles a forward plan's blocked kernel visits and skips; ``None`` for another
+    implementation or an empty call."""
+    if plan.choice.name != "blocked" or plan.empty:
+        return None
+    return summarize_tiles(plan.problem, plan.inputs, plan.choice.block_q, plan.choice.block_k)

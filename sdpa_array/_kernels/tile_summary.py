@@ -1,0 +1,108 @@
+"""How many tiles the blocked forward visits and skips, for :func:`sdpa_array.explain`.
+
+The blocked kernel cuts the score matrix of each batch element and head into a grid of
+``block_q x block_k`` tiles and visits only those its restrictions (causal band, window,
+lengths, segments, a ``mask_mod``'s block structure) do not exclude: a *full* tile takes
+the unmasked products, a *partial* one a mask. This counts them from the same plan the
+kernel makes (:func:`~sdpa_array._kernels.tiling.plan_blocks`), as FlexAttention's
+``BlockMask`` prints its sparsity, so that a call's cost can be read before it runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .._problem.problem import Inputs, Problem
+from .operands import prepare
+from .tiling import QueryBlock, choose_block_sizes, plan_blocks, plans_for_gpu
+
+__all__ = ["TileSummary", "summarize_tiles"]
+
+
+@dataclass(frozen=True)
+class TileSummary:
+    """The tiles of a blocked forward call, over every batch element and head.
+
+    Attributes
+    ----------
+    block_q, block_k : int
+        The block sizes (queries, keys).
+    grid : int
+        Tiles of the whole score matrices: ``ceil(L / block_q) * ceil(S / block_k)`` per
+        batch element and head.
+    full, partial : int
+        Tiles visited without a mask and with one (a tile whose rows the plan cuts into
+        runs, the full rows apart from the masked ones, counts once per run).
+    skipped : int
+        Tiles of the grid that no visited tile reaches: never read.
+    fraction : float
+        The share of the score matrices' pairs that the visited tiles compute (1.0: all).
+    """
+
+    block_q: int
+    block_k: int
+    grid: int
+    full: int
+    partial: int
+    skipped: int
+    fraction: float
+
+    def __str__(self) -> str:
+        return (
+            f"tiles of {self.block_q}x{self.block_k}: {self.full} full and {self.partial} "
+            f"partial visited, {self.skipped} of {self.grid} skipped; "
+            f"{self.fraction:.1%} of the scores computed"
+        )
+
+
+def summarize_tiles(
+    p: Problem, x: Inputs, block_q: int | None = None, block_k: int | None = None
+) -> TileSummary:
+    """The tiles the blocked forward visits for the call ``(p, x)`` with these block sizes.
+
+    The plan is that of the CPU's fixed reference (rows cut to those a tile's keys admit),
+    the one the kernel makes for scores of moderate size; a GPU's plan keeps whole blocks.
+    Only the restrictions are read: no score is computed.
+    """
+    bq, bk = choose_block_sizes(p, block_q, block_k)
+    restrictions = prepare(p, x).restrictions
+    cut = not plans_for_gpu(p)
+    batch = p.kernel_batch
+    elements = math.prod(batch)
+    plans: list[tuple[list[QueryBlock], int]] = []
+    if restrictions.per_sequence:
+        heads_alike = restrictions.same_for_every_head
+        indices = list(_indices(p.sequence_batch if heads_alike else batch))
+        each = elements // max(len(indices), 1)
+        for index in indices:
+            at = restrictions.at(index)
+            plans.append((plan_blocks(at, bq, bk, cut_rows=cut, narrow_rows=cut), each))
+    else:
+        plans.append((plan_blocks(restrictions, bq, bk, cut_rows=cut, narrow_rows=cut), elements))
+    full = partial = scores = touched = 0
+    for blocks, times in plans:
+        cells: set[tuple[int, int]] = set()
+        for block in blocks:
+            for tile in block.tiles:
+                r0, r1 = (block.start, block.stop) if tile.rows is None else tile.rows
+                scores += times * (r1 - r0) * (tile.stop - tile.start)
+                full += times * tile.full
+                partial += times * (not tile.full)
+                cells.update(
+                    (i, j)
+                    for i in range(r0 // bq, (r1 - 1) // bq + 1)
+                    for j in range(tile.start // bk, (tile.stop - 1) // bk + 1)
+                )
+        touched += times * len(cells)
+    grid = elements * math.ceil(p.L / bq) * math.ceil(p.S / bk)
+    fraction = scores / (elements * p.L * p.S) if p.L and p.S else 0.0
+    return TileSummary(bq, bk, grid, full, partial, grid - touched, fraction)
+
+
+def _indices(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every index tuple of ``shape``, in row-major order."""
+    found: list[tuple[int, ...]] = [()]
+    for n in shape:
+        found = [(*index, i) for index in found for i in range(n)]
+    return found

@@ -1,0 +1,98 @@
+"""``explain()`` reports the blocked forward's tiles: visited (full, partial) and skipped.
+
+Each report is checked against the admissible pairs computed here, densely, from the
+restrictions' definitions: a skipped tile holds no admissible pair, the computed share is
+at least the admissible one, block-aligned documents compute exactly their own pairs, and
+an unrestricted call visits every tile without a mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sdpa_array as sa
+from sdpa_array import mods
+
+
+def _admissible(seg_q: np.ndarray, seg_k: np.ndarray, causal: bool) -> np.ndarray:
+    """``(L, S)``: whether query ``i`` may attend key ``j`` (same segment; causal: top-left,
+    ``j <= i``)."""
+    allowed = seg_q[:, None] == seg_k[None, :]
+    if causal:
+        allowed &= np.arange(len(seg_k))[None, :] <= np.arange(len(seg_q))[:, None]
+    return allowed
+
+
+def _cells_with_pairs(allowed: np.ndarray, bq: int, bk: int) -> int:
+    L, S = allowed.shape
+    return sum(
+        bool(allowed[i : i + bq, j : j + bk].any())
+        for i in range(0, L, bq)
+        for j in range(0, S, bk)
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 96), min_size=1, max_size=6),
+    causal=st.booleans(),
+    blocks=st.sampled_from([(16, 16), (32, 16), (16, 64), (64, 32)]),
+    heads=st.integers(1, 3),
+)
+def test_skipped_tiles_hold_no_admissible_pair(lengths, causal, blocks, heads):
+    seg = np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
+    n = len(seg)
+    q = np.zeros((1, heads, n, 8), np.float32)
+    bq, bk = blocks
+    tiles = sa.explain(
+        q, q, q, segment_ids=(seg[None], seg[None]), is_causal=causal,
+        implementation="blocked", block_q=bq, block_k=bk,
+    ).forward_tiles  # fmt: skip
+    assert tiles is not None
+    assert tiles.block_q <= bq  # at most the query and key lengths
+    assert tiles.block_k <= bk
+    bq, bk = tiles.block_q, tiles.block_k
+    allowed = _admissible(seg, seg, causal)
+    grid = math.ceil(n / bq) * math.ceil(n / bk)
+    assert tiles.grid == heads * grid
+    # every grid tile with an admissible pair is visited: skipped ones hold none
+    assert tiles.skipped <= heads * (grid - _cells_with_pairs(allowed, bq, bk))
+    assert allowed.mean() - 1e-12 <= tiles.fraction <= 1.0
+    assert tiles.full + tiles.partial >= 1
+
+
+@pytest.mark.parametrize(("docs", "size"), [(8, 512), (16, 256), (4, 1024)])
+@pytest.mark.parametrize("how", ["mask_mod", "segment_ids"])
+def test_block_aligned_documents_compute_only_their_pairs(docs, size, how):
+    seg = np.repeat(np.arange(docs), size).astype(np.int32)
+    q = np.zeros((1, 2, docs * size, 8), np.float32)
+    options = (
+        {"mask_mod": mods.document(seg, seg)} if how == "mask_mod"
+        else {"segment_ids": (seg[None], seg[None])}
+    )  # fmt: skip
+    tiles = sa.explain(q, q, q, implementation="blocked", block_q=256, block_k=256, **options)
+    tiles = tiles.forward_tiles
+    assert tiles is not None
+    assert tiles.partial == 0
+    assert tiles.fraction == pytest.approx(1 / docs)
+    assert tiles.skipped == tiles.grid - 2 * docs * (size // 256) ** 2
+    assert "skipped" in str(sa.explain(q, q, q, implementation="blocked", **options))
+
+
+def test_an_unrestricted_call_visits_every_tile_unmasked():
+    q = np.zeros((2, 3, 300, 8), np.float32)
+    tiles = sa.explain(q, q, q, implementation="blocked", block_q=64, block_k=128).forward_tiles
+    assert tiles is not None
+    assert (tiles.skipped, tiles.partial, tiles.fraction) == (0, 0, 1.0)
+    assert tiles.full == tiles.grid == 6 * 5 * 3
+
+
+def test_other_implementations_report_no_tiles():
+    q = np.zeros((1, 1, 16, 8), np.float32)
+    assert sa.explain(q, q, q, implementation="materialized").forward_tiles is None
+    assert "tiles" not in str(sa.explain(q, q, q, implementation="materialized"))
