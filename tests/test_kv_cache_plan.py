@@ -20,7 +20,7 @@ from sdpa_array._api.kv_cache import api as kv_api
 from sdpa_array._api.kv_cache import attention_with_kv_cache
 from sdpa_array._plan import decode as kv_decode
 from sdpa_array.testing.backends import get_backend
-from tests.test_kv_cache import make_case, run
+from tests.test_kv_cache import host, make_case, run
 
 #: The calls with NumPy arrays of their own (the choice does not depend on the library).
 NUMPY = get_backend("numpy")
@@ -198,9 +198,45 @@ def test_plans_are_kept_by_signature(monkeypatch: pytest.MonkeyPatch) -> None:
         return original(c)
 
     monkeypatch.setattr(kv_api, "plan_decode", planned)
-    for _ in range(2):
-        attention_with_kv_cache(q, k, v, cache_lengths=[4, 4, 4])
+    for _ in range(2):  # the log-sum-exp too: not a plain call (below)
+        attention_with_kv_cache(q, k, v, cache_lengths=[4, 4, 4], return_lse=True)
     mask = np.ones((1, 1, 1, k.shape[2]), dtype=bool)
     for _ in range(2):
         attention_with_kv_cache(q, k, v, cache_lengths=[4, 4, 4], mask=mask)
     assert seen == [False, True, False, False]
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_a_plain_call_planned_once_is_its_forward_call(
+    library: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain call (contiguous, no new token, lengths as a list, simple options) planned
+    as one forward call makes that call at once the next time: no check or plan runs, and
+    the result is the planned call's, bit for bit. Other lengths, a new token or an option
+    of another value are planned (and checked) again."""
+    backend = get_backend(library)
+    case = make_case("plain", lengths=[5, 5], new=True, paged=False, heads_kv=2)
+    q, k, v = (
+        backend.asarray(a, "float32") for a in (case.query, case.key_cache, case.value_cache)
+    )
+    new = (backend.asarray(case.new_key, "float32"), backend.asarray(case.new_value, "float32"))
+    options = {"cache_lengths": [5, 5], "enable_gqa": True, "scale": 0.5}
+    run(backend, "float32", case, **{n: x for n, x in options.items() if n != "cache_lengths"})
+    first = attention_with_kv_cache(q, k, v, **options)
+    planned: list[int] = []
+    original = kv_api.plan_decode
+    monkeypatch.setattr(kv_api, "plan_decode", lambda c: planned.append(1) or original(c))
+    again = attention_with_kv_cache(q, k, v, **options)
+    assert planned == []
+    assert again[1] is k
+    assert again[2] is v
+    assert np.array_equal(host(again[0]), host(first[0]))
+    for changed in (
+        {"cache_lengths": [4, 5]},
+        {"scale": 0.25},
+        {"new_key": new[0], "new_value": new[1], "cache_lengths": [4, 4]},
+    ):
+        attention_with_kv_cache(q, k, v, **{**options, **changed})
+    assert len(planned) == 3
+    with pytest.raises(ValueError, match="cache_lengths must be non-negative"):
+        attention_with_kv_cache(q, k, v, **{**options, "cache_lengths": [5, -1]})

@@ -23,7 +23,12 @@ not read again.
 signature (:func:`~sdpa_array._plan.decode.call_signature`), what the call's checks found,
 whether the Triton decoding kernel takes it and the split rule's chunk length
 (:func:`lookup_decode`, :func:`store_decode`); the lengths, starts and block table are
-checked, and the rest of the plan made, on every call.
+checked, and the rest of the plan made, on every call. A *plain* cache call (contiguous,
+no new tokens, lengths given as a list of ints, options of simple values, the output alone
+asked for) planned as one forward call over the cache's tokens keeps that call's span and
+keywords by the arrays' signatures, the lengths' values and the options
+(:func:`keep_decode_direct`, :func:`decode_direct`): the same call again, whose checks and
+plan would find the same, makes that forward call at once.
 
 *Direct calls.* Where such a plan delegates the whole call to one library function whose
 output is the public function's as it is
@@ -55,7 +60,9 @@ from .dispatch import Choice
 __all__ = [
     "MAX_ENTRIES",
     "clear",
+    "decode_direct",
     "direct",
+    "keep_decode_direct",
     "keep_direct",
     "lookup",
     "lookup_decode",
@@ -76,6 +83,11 @@ _direct: dict[tuple[Any, ...], Callable[[Any, Any, Any], Any]] = {}
 #: KV-cache calls by their key (:mod:`.decode`): what their checks found and what the
 #: signature decides of their plan; at most :data:`MAX_ENTRIES`, least recently used dropped.
 _decode: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+
+#: Plain KV-cache calls by their key (:func:`sdpa_array._plan.decode.direct_key`): the
+#: tokens ``(lo, n)`` their one forward call attends and its keywords; at most
+#: :data:`MAX_ENTRIES`, emptied when full.
+_decode_direct: dict[tuple[Any, ...], tuple[int, int, dict[str, Any]]] = {}
 
 #: The types of ``scale`` :func:`_direct_key` takes.
 _DIRECT_SCALE_TYPES = frozenset({type(None), int, float})
@@ -128,6 +140,7 @@ def clear() -> None:
         _entries.clear()
         _direct.clear()
         _decode.clear()
+        _decode_direct.clear()
 
 
 def _direct_key(
@@ -207,3 +220,19 @@ def store_decode(key: tuple[Any, ...], entry: Any) -> None:
         _decode.move_to_end(key)
         while len(_decode) > MAX_ENTRIES:
             _decode.popitem(last=False)
+
+
+def decode_direct(key: tuple[Any, ...] | None) -> tuple[int, int, dict[str, Any]] | None:
+    """The span and forward keywords kept for a plain KV-cache call of ``key``, if any."""
+    return None if key is None or not _decode_direct else _decode_direct.get(key)
+
+
+def keep_decode_direct(
+    key: tuple[Any, ...], span: tuple[int, int], keywords: dict[str, Any]
+) -> None:
+    """Keep the span and forward keywords a plain KV-cache call of ``key`` was planned
+    with: a later call of that key makes that forward call at once."""
+    with _lock:
+        if len(_decode_direct) >= MAX_ENTRIES:
+            _decode_direct.clear()
+        _decode_direct[key] = (span[0], span[1], keywords)

@@ -13,11 +13,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..._arrays.typing import Array
+from ..._plan import cache
+from ..._plan.decode import DecodePlan, direct_key
 from ..._plan.kv_call import CacheCall
+from ..forward import scaled_dot_product_attention
 from ..layout import check_layout, swap_heads_and_length
 from .args import check_call
+from .chunks import single_call
 
-__all__ = ["gather", "result"]
+__all__ = ["gather", "keep", "result", "run_kept"]
 
 #: The cache function's array arguments, in the order they are swapped for ``"BLHE"``.
 ARRAYS = ("query", "key_cache", "value_cache", "new_key", "new_value")
@@ -68,3 +72,30 @@ def result(
         for got, view, mine in zip(caches, views, given, strict=True)
     ]
     return (swap_heads_and_length(out)[0], *extras, *returned)
+
+
+def run_kept(arguments: Mapping[str, Any]) -> tuple[Any, tuple[Array, ...] | None]:
+    """``(key, result)`` of the cache function's ``arguments``: the key of a plain call
+    (:func:`~sdpa_array._plan.decode.direct_key`, ``None`` for another) and, where a call
+    of that key was planned as one forward call over the cache's tokens, that call's
+    result (the output and the caches, which a plain call does not write); else ``None``."""
+    key = direct_key(arguments)
+    kept = cache.decode_direct(key)
+    if kept is None:
+        return key, None
+    lo, n, keywords = kept
+    key_cache, value_cache = arguments["key_cache"], arguments["value_cache"]
+    keys, values = key_cache[:, :, lo:n, :], value_cache[:, :, lo:n, :]
+    out = scaled_dot_product_attention(arguments["query"], keys, values, **keywords)
+    return key, (out, key_cache, value_cache)
+
+
+def keep(key: Any, plan: DecodePlan, caches: tuple[Array, Array]) -> None:
+    """Keep a plain call's one forward call (its span and keywords) for its ``key``, where
+    the plan is one forward call with no mask or bias and the output alone asked for."""
+    c = plan.call
+    if key is None or plan.span is None or c.mask is not None or c.bias is not None:
+        return
+    if c.return_lse or c.return_max_scores:
+        return
+    cache.keep_decode_direct(key, plan.span, single_call(plan, caches)[3])
