@@ -22,6 +22,7 @@ sequence, so they say ``per_sequence``: the kernels then plan each batch slice a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
@@ -182,11 +183,28 @@ class SegmentIds:
         k = np.broadcast_to(self.k_host, (*self.k_host.shape[:-1], self.S))
         return np.reshape(k, (-1, self.S))
 
+    @functools.cached_property
+    def _key_spans(self) -> dict[Any, tuple[int, int]]:
+        """Each key id's first key and last key + 1, in any sequence."""
+        return _spans(self._keys())
+
+    @functools.cached_property
+    def _query_spans(self) -> dict[Any, tuple[int, int]]:
+        """Each query id's first query and last query + 1, in any sequence."""
+        assert self.q_host is not None
+        queries = np.broadcast_to(self.q_host, (*self.q_host.shape[:-2], self.L, 1))
+        return _spans(np.reshape(queries, (-1, self.L)))
+
+    @functools.cached_property
+    def _full_runs(self) -> dict[Any, tuple[int, int]]:
+        """Found so far: each id's first run of consecutive keys that every sequence has
+        in that segment (``(0, 0)``: none)."""
+        return {}
+
     def key_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
         if self.q_host is None or self.k_host is None:
             return 0, self.S
-        hit = np.flatnonzero(np.any(np.isin(self._keys(), self._ids(q_start, q_stop)), axis=0))
-        return (int(hit[0]), int(hit[-1]) + 1) if hit.size else (0, 0)
+        return _hull(self._key_spans, self._ids(q_start, q_stop))
 
     def query_range(self, k_start: int, k_stop: int) -> tuple[int, int]:
         """Queries outside which none may attend a key of ``[k_start, k_stop)``: from the
@@ -194,10 +212,7 @@ class SegmentIds:
         if self.q_host is None or self.k_host is None:
             return 0, self.L
         keys = self.k_host[..., :, k_start:k_stop] if self.k_host.shape[-1] != 1 else self.k_host
-        queries = np.broadcast_to(self.q_host, (*self.q_host.shape[:-2], self.L, 1))
-        hit = np.any(np.isin(np.reshape(queries, (-1, self.L)), np.unique(keys)), axis=0)
-        rows = np.flatnonzero(hit)
-        return (int(rows[0]), int(rows[-1]) + 1) if rows.size else (0, 0)
+        return _hull(self._query_spans, np.unique(keys))
 
     def full_range(self, q_start: int, q_stop: int) -> tuple[int, int]:
         if self.q_host is None or self.k_host is None:
@@ -205,13 +220,11 @@ class SegmentIds:
         ids = self._ids(q_start, q_stop)
         if ids.size != 1:
             return 0, 0
-        same = np.flatnonzero(np.all(self._keys() == ids[0], axis=0))
-        if not same.size:
-            return 0, 0
-        # the first run of consecutive keys that every sequence has in this segment
-        breaks = np.flatnonzero(np.diff(same) != 1)
-        stop = same[breaks[0]] + 1 if breaks.size else same[-1] + 1
-        return int(same[0]), int(stop)
+        runs = self._full_runs
+        found = runs.get(ids[0])
+        if found is None:
+            found = runs[ids[0]] = _first_full_run(self._keys(), ids[0])
+        return found
 
     def tile_mask(self, xp: ModuleType, device: Any, rows: slice, cols: slice) -> Array:
         q = self.q[..., rows, :] if self.q.shape[-2] != 1 else self.q
@@ -281,3 +294,36 @@ def sequence_members(p: Problem) -> tuple[list[Restriction], bool]:
             )
         )
     return members, replaces_band
+
+
+def _spans(ids: np.ndarray) -> dict[Any, tuple[int, int]]:
+    """``id -> (first column, last column + 1)`` of ``ids`` ``(sequences, n)``, where any
+    sequence (row) holds that id."""
+    rows = ids.shape[0]
+    by_column = np.ascontiguousarray(ids.T).ravel()  # column-major: position // rows
+    values, first = np.unique(by_column, return_index=True)
+    _, last = np.unique(by_column[::-1], return_index=True)
+    starts = first // max(rows, 1)
+    stops = (by_column.size - 1 - last) // max(rows, 1) + 1
+    return dict(
+        zip(values.tolist(), zip(starts.tolist(), stops.tolist(), strict=True), strict=True)
+    )
+
+
+def _hull(spans: dict[Any, tuple[int, int]], ids: np.ndarray) -> tuple[int, int]:
+    """From the first start to the last stop of ``ids``' spans (``(0, 0)``: none has one)."""
+    found = [spans[i] for i in ids.tolist() if i in spans]
+    if not found:
+        return 0, 0
+    return min(a for a, _ in found), max(b for _, b in found)
+
+
+def _first_full_run(keys: np.ndarray, id_: Any) -> tuple[int, int]:
+    """The first run of consecutive columns of ``keys`` ``(sequences, S)`` where every
+    sequence holds ``id_`` (``(0, 0)``: none)."""
+    same = np.flatnonzero(np.all(keys == id_, axis=0))
+    if not same.size:
+        return 0, 0
+    breaks = np.flatnonzero(np.diff(same) != 1)
+    stop = same[breaks[0]] + 1 if breaks.size else same[-1] + 1
+    return int(same[0]), int(stop)
