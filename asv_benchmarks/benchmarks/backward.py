@@ -40,10 +40,13 @@ OURS = ["auto", "materialized", "blocked"]
 PEER = "torch-backward"
 IMPLEMENTATIONS = [*OURS, PEER]
 
-#: The backward target's shape (B=1, H=8, L=S=2048, E=64), with and without ``is_causal``;
-#: the full profile adds L=S=4096.
-SHAPES = ["1x8x2048x64", "1x8x2048x64-causal"] + (
-    ["1x8x4096x64", "1x8x4096x64-causal"] if FULL else []
+#: The backward target's shape (B=1, H=8, L=S=2048, E=64), with and without ``is_causal``.
+TARGET_SHAPES = ["1x8x2048x64", "1x8x2048x64-causal"]
+#: The full profile: the target and L=S=4096; the quick profile: L=S=512, like the forward's.
+SHAPES = (
+    [*TARGET_SHAPES, "1x8x4096x64", "1x8x4096x64-causal"]
+    if FULL
+    else ["1x8x512x64", "1x8x512x64-causal"]
 )
 
 #: Matrix products of a backward pass (``dP``, ``dV``, ``dQ``, ``dK`` and the recomputed
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = sys.argv[1:] if argv is None else argv
     rounds = int(args[0]) if args else 15
-    for shape in SHAPES:
+    for shape in TARGET_SHAPES:
         ours = make_backward_case("numpy", "float32", "auto", shape)
         peer = make_backward_case("numpy", "float32", PEER, shape)
         times = interleaved_times(
