@@ -173,9 +173,33 @@ class SegmentIds:
     L: int = 0
 
     def _ids(self, q_start: int, q_stop: int) -> np.ndarray:
+        """The ids of queries ``[q_start, q_stop)`` in any sequence, sorted, each once."""
         assert self.q_host is not None
-        rows = self.q_host[..., q_start:q_stop, :] if self.q_host.shape[-2] != 1 else self.q_host
-        return np.unique(rows)
+        if self.q_host.shape[-2] == 1:
+            return np.unique(self.q_host)
+        found = self._ids_found.get((q_start, q_stop))
+        if found is None:
+            queries, starts = self._query_runs
+            first = int(np.searchsorted(starts, q_start, side="right")) - 1
+            last = int(np.searchsorted(starts, q_stop, side="left"))
+            columns = starts[first:last].copy()
+            columns[0] = q_start  # runs begin at or before it
+            found = self._ids_found[q_start, q_stop] = np.unique(queries[:, columns])
+        return found
+
+    @functools.cached_property
+    def _ids_found(self) -> dict[tuple[int, int], np.ndarray]:
+        """The ids of the query ranges asked for so far."""
+        return {}
+
+    @functools.cached_property
+    def _query_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Query ids as ``(sequences, L)`` and the rows where a run of equal ids (in every
+        sequence) starts, row 0 first."""
+        assert self.q_host is not None
+        queries = np.reshape(self.q_host, (-1, self.q_host.shape[-2]))
+        changes = np.flatnonzero(np.any(queries[:, 1:] != queries[:, :-1], axis=0)) + 1
+        return queries, np.concatenate([np.zeros(1, dtype=np.intp), changes])
 
     def _keys(self) -> np.ndarray:
         """Key ids as ``(sequences, S)``, broadcast along the key axis."""
