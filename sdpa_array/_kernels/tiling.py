@@ -120,6 +120,10 @@ MIN_ROWS = 64
 #: against 256 at 1024 keys: 1.11).
 MIN_ROWS_RESTRICTED = 128
 
+#: How much more of the score matrices a backward tile of more rows may reach than tiles of
+#: :data:`MIN_ROWS_RESTRICTED` rows (:func:`_rows_by_reach`).
+REACH_GROWTH = 1.05
+
 
 @dataclass(frozen=True)
 class KeyTile:
@@ -419,6 +423,29 @@ class BackwardPlan:
         return all(len(b.tiles) <= 1 for b in self.blocks)
 
 
+def _rows_by_reach(r: Restrictions, budget: int) -> int:
+    """The most query rows (:data:`MIN_ROWS_RESTRICTED` times a power of two) of a backward
+    tile whose keys the restrictions bound: each block of that many rows reaches (from its
+    first to its last admissible key) at most ``budget / rows`` keys, and the blocks
+    together reach at most :data:`REACH_GROWTH` times the keys that blocks of
+    :data:`MIN_ROWS_RESTRICTED` rows reach. Packed documents reach their own keys alone,
+    so their tiles take a whole document's rows; a causal band's last blocks reach every
+    key, so its tiles keep :data:`MIN_ROWS_RESTRICTED` rows."""
+    best, finest, rows = MIN_ROWS_RESTRICTED, None, MIN_ROWS_RESTRICTED
+    while rows <= r.L:
+        spans = [
+            (min(q0 + rows, r.L) - q0, r.key_range(q0, min(q0 + rows, r.L)))
+            for q0 in range(0, r.L, rows)
+        ]
+        area = sum(n * max(hi - lo, 0) for n, (lo, hi) in spans)
+        widest = max(max(hi - lo, 0) for _, (lo, hi) in spans)
+        finest = area if finest is None else finest
+        if widest * rows > budget or area > REACH_GROWTH * finest:
+            break
+        best, rows = rows, rows * 2
+    return best
+
+
 def plan_backward(
     p: Problem, r: Restrictions, block_q: int | None = None, block_k: int | None = None
 ) -> BackwardPlan:
@@ -441,7 +468,7 @@ def plan_backward(
         bk = p.S
         fit = budget // p.S
         if r.bounds_keys:  # most tiles hold a part of their rows' keys
-            fit = max(fit, MIN_ROWS_RESTRICTED)
+            fit = max(fit, _rows_by_reach(r, budget))
         bq = min(block_q or balanced(p.L, max(BLOCK_ALIGN, fit)), p.L)
     grid = bk if block_k is not None or not r.bounds_keys else min(bk, GRID_RESTRICTED)
     width = -(-bk // grid) * grid
