@@ -324,6 +324,12 @@ def test_performance_figures_draw_the_results_with_machine_versions_and_commit(t
             "scaling.TorchScaling.track_forward_ratio": [[1.25, 0.75, None, None], scaling, "v", 2],
             "scaling.TorchScaling.track_backward_ratio": [[2.5, 1.5, None, None], scaling, "v", 2],
             "scaling.DocumentSparsity.track_mask_mod_ratio": [[1.0, 0.625], [["1", "2"]], "v", 2],
+            "documents.PackedDocuments.track_packed_over_batched": [
+                [1.125, 1.5, 1.0625, 1.25],
+                [["'8x512'"], ["'forward'", "'vjp'"], ["'mask_mod'", "'varlen'"]],
+                "v",
+                2,
+            ],
             "scaling.Versions.track_version": [[20406, 21300], [["'numpy'", "'torch'"]], "v", 2],
             "accuracy.AccuracyVersusTorch.track_error_ratio": [
                 [0.875, None],
@@ -337,7 +343,7 @@ def test_performance_figures_draw_the_results_with_machine_versions_and_commit(t
     figures.write(tmp_path / "results", generated)
     snippets = {
         name: (generated / "snippets" / f"performance_{name}.md").read_text()
-        for name in ("scaling", "accuracy", "documents")
+        for name in ("scaling", "accuracy", "documents", "packed")
     }
     for name, text in snippets.items():
         assert (generated / "performance" / f"{name}.png").stat().st_size > 1000
@@ -352,12 +358,14 @@ def test_performance_figures_draw_the_results_with_machine_versions_and_commit(t
     assert "| 1.00 | 0.50 |" in snippets["documents"]  # the ideal, 1 / documents
     assert "0.88" in snippets["accuracy"]
     assert "bfloat16" not in snippets["accuracy"]  # skipped everywhere: no row
+    assert "| forward | `mask_mod` | 1.12 |" in snippets["packed"]
+    assert "| vjp | `varlen` | 1.25 |" in snippets["packed"]
 
 
 def test_performance_figures_without_results_say_so(tmp_path):
     figures = figures_module()
     figures.write(tmp_path / "results", tmp_path / "generated")
-    for name in ("scaling", "accuracy", "documents"):
+    for name in ("scaling", "accuracy", "documents", "packed"):
         text = (tmp_path / "generated" / "snippets" / f"performance_{name}.md").read_text()
         assert text.startswith("*No results")
 
@@ -371,6 +379,7 @@ def test_committed_results_draw_every_performance_figure():
         figures.ACCURACY,
         figures.DOCUMENTS.format("mask_mod"),
         figures.DOCUMENTS.format("segment_ids"),
+        figures.PACKED,
     ):
         (cpu,) = [m for m in found.get(name, []) if m.run.machine == "amd-epyc-2cpu-avx512"]
         assert any(v is not None for v in cpu.values.values()), name

@@ -11,7 +11,10 @@ machine, the latest run that measured each benchmark, and draws three figures in
   float64 oracle, per case (``accuracy.AccuracyVersusTorch.track_error_ratio``);
 * ``documents.png``: packed documents through a mask function and through segment ids over
   the unmasked call against the number of documents, with the share of pairs a document
-  mask keeps, ``1 / n``, as the ideal (``scaling.DocumentSparsity``).
+  mask keeps, ``1 / n``, as the ideal (``scaling.DocumentSparsity``);
+* ``packed.png``: packed documents (8 of 512, 16 of 256, 4 of 1024 in 4096) through each
+  way of expressing them over the same documents as a batch, forward and VJP
+  (``documents.PackedDocuments``).
 
 Each comes with a snippet ``generated/snippets/performance_<figure>.md``: the image, a
 table of the numbers drawn and a caption naming the machine (CPU, cores), the libraries'
@@ -31,6 +34,7 @@ from typing import Any
 
 SCALING = "scaling.TorchScaling.track_{}_ratio"
 DOCUMENTS = "scaling.DocumentSparsity.track_{}_ratio"
+PACKED = "documents.PackedDocuments.track_packed_over_batched"
 ACCURACY = "accuracy.AccuracyVersusTorch.track_error_ratio"
 VERSIONS = "scaling.Versions.track_version"
 
@@ -316,11 +320,44 @@ def documents(found: dict[str, list[Measured]], out: Path) -> str | None:
     return _table(head, [*rows, ideal]) + "\n" + _captions(measured)
 
 
+def packed(found: dict[str, list[Measured]], out: Path) -> str | None:
+    """The packed-documents figure and its snippet's text; ``None`` without results."""
+    measured = found.get(PACKED, [])
+    if not measured:
+        return None
+    m = measured[0]  # the first machine's (one figure per machine would crowd the page)
+    layouts = list(dict.fromkeys(key[0] for key in m.values))
+    ways = list(dict.fromkeys(key[2] for key in m.values))
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.4), sharey=True)
+    rows = []
+    width = 0.8 / max(len(ways), 1)
+    for ax, direction in zip(axes, ("forward", "vjp"), strict=True):
+        for i, way in enumerate(ways):
+            values = [m.values.get((layout, direction, way)) for layout in layouts]
+            xs = [j + i * width for j in range(len(layouts))]
+            ax.bar(xs, [v or 0.0 for v in values], width, label=way)
+            rows.append([direction, f"`{way}`", *[_number(v) for v in values]])
+        ax.axhline(1.0, color="0.5", lw=0.8, ls=":")
+        ax.axhline(1.3, color="C3", lw=0.8, ls="--")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layouts))], layouts)
+        ax.set_xlabel("documents x tokens, packed in 4096")
+        ax.set_title(direction, fontsize=10)
+    axes[0].set_ylabel("time / the batched call's")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Packed documents against the same documents as a batch, lower is better",
+                 fontsize=10)  # fmt: skip
+    _save(fig, out)
+    head = ["direction", "way", *layouts]
+    return _table(head, rows) + "\n" + _captions([m])
+
+
 #: Figure name -> (drawing function, its alt text).
 FIGURES = {
     "scaling": (scaling, "our time over torch's against the sequence length"),
     "accuracy": (accuracy, "our error over torch's error per case"),
     "documents": (documents, "document-mask time over the unmasked call's against sparsity"),
+    "packed": (packed, "packed documents' time over the same documents as a batch"),
 }
 
 
