@@ -133,7 +133,7 @@ CASES = [
     ("causal", "torch", {"is_causal": True}, PLAIN),
     ("blocked causal", "numpy", {"implementation": "blocked", "is_causal": True}, 26),
     ("mask_mod", "numpy", {"mask_mod": mods.causal()}, 29),
-    ("segment ids", "numpy", "segments", 36),
+    ("segment ids", "numpy", "segments", 39),
     ("blocked, mask", "torch", {"implementation": "blocked", "mask": "ones"}, 41),
 ]
 

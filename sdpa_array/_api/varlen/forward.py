@@ -5,8 +5,10 @@ arrays into their sequences by ``cu_seqlens_q``/``cu_seqlens_k`` (host offsets, 
 :func:`~sdpa_array._problem.packed.check_packed`), runs each sequence as one heads-first call
 of the library (every sequence validated before any runs; then planned and run by
 :mod:`sdpa_array._plan.run`: the same planner, kernels and autograd wrappers as any call)
-and joins the results. The work is that of the sequences themselves (the sum of their
-squared lengths), and no ``(total, total)`` array is formed. Sequence ``n`` is batch
+and joins the results, or (self-attention without mod functions or dropout, off a GPU)
+runs the packed tokens as one call with the sequences as segment ids (:mod:`.one_call`).
+The work is that of the sequences themselves (the sum of their squared lengths), and no
+``(total, total)`` array is formed. Sequence ``n`` is batch
 element ``n`` of the padded call (:mod:`.sequences`).
 """
 
@@ -24,6 +26,7 @@ from ..._problem.peer_keywords import names_peer_spellings
 from ..._problem.problem import Problem
 from ..jax_eager import eager_jax, run_jitted
 from ..layout import swap_heads_and_length
+from .one_call import one_forward, segments_call
 from .sequences import keywords_of, sequences, static_offsets
 
 __all__ = ["scaled_dot_product_attention_varlen"]
@@ -132,9 +135,14 @@ def scaled_dot_product_attention_varlen(
 
     Notes
     -----
-    Each sequence is one call of the library, so ``N`` calls are planned and launched: on
-    a GPU, many short sequences cost ``N`` launches. Under ``jax.jit`` the offsets are static
-    (a new set of offsets compiles a new program), as eager JAX calls are compiled per set.
+    Off a GPU, a call whose sequences attend their own tokens (equal offsets) with no mask,
+    bias or score function and no dropout, for ``implementation="auto"`` or ``"blocked"``
+    and without the maximum scores, is one call of the library on the packed tokens with
+    the sequences as segment ids, which visits the sequences' own tiles only. Otherwise
+    each sequence is one call of the library, so ``N`` calls are planned and launched: on
+    a GPU, many short sequences cost ``N`` launches. Under ``jax.jit`` the offsets are
+    static (a new set of offsets compiles a new program), as eager JAX calls are compiled
+    per set.
 
     Examples
     --------
@@ -151,7 +159,6 @@ def scaled_dot_product_attention_varlen(
     packed = check_packed(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     options = Options.gather(locals())
     outputs = Outputs.of(False, return_lse, return_max_scores)
-    calls = sequences(query, key, value, packed, options)
     if packed.count and eager_jax([query, key, value]):  # compiled whole, per set of offsets
         keywords = {
             **keywords_of(options),
@@ -168,6 +175,10 @@ def scaled_dot_product_attention_varlen(
         )
         if done:
             return result
+    one = segments_call(query, packed, options, implementation, return_max_scores)
+    if one is not None:  # the sequences as segment ids of one call
+        return one_forward((query, key, value), one, outputs, implementation, (block_q, block_k))
+    calls = sequences(query, key, value, packed, options)
     results = [
         run_forward(
             s.query,

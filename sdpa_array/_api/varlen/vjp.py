@@ -17,6 +17,7 @@ from ..._problem.problem import Inputs
 from ..jax_eager import eager_jax, run_jitted
 from ..layout import swap_heads_and_length
 from ..vjp import check_cotangent
+from .one_call import one_vjp, segments_call
 from .sequences import keywords_of, sequences, static_offsets
 
 __all__ = ["scaled_dot_product_attention_varlen_vjp"]
@@ -118,6 +119,10 @@ def scaled_dot_product_attention_varlen_vjp(
         )
         if done:
             return result  # type: ignore[no-any-return]
+    one = segments_call(query, packed, options, implementation, False)
+    if one is not None:  # the sequences as segment ids of one call
+        arrays = (query, key, value, grad_output)
+        return one_vjp(arrays, one, implementation, (block_q, block_k))
     # the sinks' and the scale's gradients are sums over the sequences: each sequence
     # computes its share in float32 at least, and the sum is rounded once
     summed: list[Any] = [sinks, scale if p.scale_is_array else None]
