@@ -146,3 +146,19 @@ def test_dask_one_call_stays_lazy_and_right(dask_backend, one_calls):
     assert type(result).__module__.startswith("dask")
     assert_varlen_close_to_oracle(result, q, k, v, CU, CU, **options)
     assert one_calls == ["forward"]
+
+
+def test_torch_autograd_through_the_one_call(torch_cpu_backend, one_calls):
+    """torch's autograd through the one call gives the VJP's gradients (float64)."""
+    import torch
+
+    q, k, v, g = (x.requires_grad_(True) for x in _arrays(torch_cpu_backend, "float64", CU[-1]))
+    options = {"is_causal": True, "enable_gqa": True, "softcap": 3.0}
+    out = sdpa_array.scaled_dot_product_attention_varlen(q, k, v, CU, CU, **options)
+    got = torch.autograd.grad(out, (q, k, v), g.detach())
+    want = sdpa_array.scaled_dot_product_attention_varlen_vjp(
+        q.detach(), k.detach(), v.detach(), g.detach(), CU, CU, **options
+    )
+    for a, b in zip(got, want[:3], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert one_calls == ["forward", "vjp"]
