@@ -20,7 +20,7 @@ import numpy as np
 import sdpa_array
 
 #: Interleaved pairs per figure.
-ROUNDS = 9
+ROUNDS = 21
 SHAPE = (2, 1024, 8, 64)
 
 
