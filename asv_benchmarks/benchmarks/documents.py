@@ -13,9 +13,6 @@ tiles each way visits.
 
 from __future__ import annotations
 
-import random
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -24,25 +21,14 @@ import numpy as np
 import sdpa_array
 from sdpa_array import mods
 
+from .history import _interleaved, _ratio
+
 #: Rounds per figure (each candidate once per round, in a new order), after a warm-up.
 ROUNDS = 5
 
 #: (documents, tokens each): the packed sequence is 4096 long.
 LAYOUTS = {"8x512": (8, 512), "16x256": (16, 256), "4x1024": (4, 1024)}
 HEADS, E = 8, 64
-
-
-def _interleaved(calls: dict[str, Callable[[], Any]]) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    order = list(calls)
-    for round_ in range(ROUNDS + 1):
-        random.shuffle(order)
-        for name in order:
-            start = time.perf_counter()
-            calls[name]()
-            if round_:
-                times[name].append(time.perf_counter() - start)
-    return times
 
 
 def _calls(layout: str, direction: str, way: str) -> dict[str, Callable[[], Any]]:
@@ -110,7 +96,6 @@ class PackedDocuments:
     def track_packed_over_batched(self, layout: str, direction: str, way: str) -> float:
         """The packed call's time / the batched call's, median of per-round ratios; lower
         is better, good is <= 1.3 (varlen: <= 1.15)."""
-        times = _interleaved(self.calls)
-        return statistics.median(a / b for a, b in zip(times[way], times["batched"], strict=True))
+        return _ratio(_interleaved(self.calls, ROUNDS), way, "batched")
 
     track_packed_over_batched.unit = "ratio"  # type: ignore[attr-defined]
