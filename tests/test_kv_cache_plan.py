@@ -206,15 +206,14 @@ def test_plans_are_kept_by_signature(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen == [False, True, False, False]
 
 
-@pytest.mark.parametrize("library", ["numpy", "torch"])
 def test_a_plain_call_planned_once_is_its_forward_call(
-    library: str, monkeypatch: pytest.MonkeyPatch
+    torch_interop_backend: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A plain call (contiguous, no new token, lengths as a list, simple options) planned
     as one forward call makes that call at once the next time: no check or plan runs, and
     the result is the planned call's, bit for bit. Other lengths, a new token or an option
     of another value are planned (and checked) again."""
-    backend = get_backend(library)
+    backend = torch_interop_backend
     case = make_case("plain", lengths=[5, 5], new=True, paged=False, heads_kv=2)
     q, k, v = (
         backend.asarray(a, "float32") for a in (case.query, case.key_cache, case.value_cache)
