@@ -10,12 +10,13 @@ kernel makes (:func:`~sdpa_array._kernels.tiling.plan_blocks`), as FlexAttention
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
 from .._problem.problem import Inputs, Problem
 from .operands import prepare
-from .tiling import QueryBlock, choose_block_sizes, plan_blocks, plans_for_gpu
+from .tiling import QueryBlock, block_scores, choose_block_sizes, plan_blocks, plans_for_gpu
 
 __all__ = ["TileSummary", "summarize_tiles"]
 
@@ -73,7 +74,8 @@ def summarize_tiles(
     plans: list[tuple[list[QueryBlock], int]] = []
     if restrictions.per_sequence:
         heads_alike = restrictions.same_for_every_head
-        indices = list(_indices(p.sequence_batch if heads_alike else batch))
+        shape = p.sequence_batch if heads_alike else batch
+        indices = list(itertools.product(*map(range, shape)))
         each = elements // max(len(indices), 1)
         for index in indices:
             at = restrictions.at(index)
@@ -84,9 +86,9 @@ def summarize_tiles(
     for blocks, times in plans:
         cells: set[tuple[int, int]] = set()
         for block in blocks:
+            scores += times * block_scores(block)
             for tile in block.tiles:
                 r0, r1 = (block.start, block.stop) if tile.rows is None else tile.rows
-                scores += times * (r1 - r0) * (tile.stop - tile.start)
                 full += times * tile.full
                 partial += times * (not tile.full)
                 cells.update(
@@ -98,11 +100,3 @@ def summarize_tiles(
     grid = elements * math.ceil(p.L / bq) * math.ceil(p.S / bk)
     fraction = scores / (elements * p.L * p.S) if p.L and p.S else 0.0
     return TileSummary(bq, bk, grid, full, partial, grid - touched, fraction)
-
-
-def _indices(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Every index tuple of ``shape``, in row-major order."""
-    found: list[tuple[int, ...]] = [()]
-    for n in shape:
-        found = [(*index, i) for index in found for i in range(n)]
-    return found

@@ -127,10 +127,10 @@ def _integers_kind(value: Any) -> Any:
 
 def direct_key(arguments: Mapping[str, Any]) -> tuple[Any, ...] | None:
     """The key of a plain cache call (:mod:`.cache`'s KV-cache calls) of the cache
-    function's ``arguments``: the three arrays' signatures, the lengths' values,
-    ``num_splits`` and the options with their types; ``None`` for a call that is not plain
-    (a layout other than ``"BHLE"``, new tokens, a block table, ``cache_leftpad``, lengths
-    that are not a list or tuple of ints, an option that is not a simple value)."""
+    function's ``arguments``: its signature (:func:`call_signature`) and the lengths'
+    values; ``None`` for a call that is not plain (a layout other than ``"BHLE"``, new
+    tokens, a block table, ``cache_leftpad``, lengths that are not a list or tuple of ints)
+    or whose signature is more than one."""
     if arguments["layout"] != "BHLE" or arguments["new_key"] is not None:
         return None
     if arguments["block_table"] is not None or arguments["cache_leftpad"] is not None:
@@ -138,23 +138,11 @@ def direct_key(arguments: Mapping[str, Any]) -> tuple[Any, ...] | None:
     lengths = arguments["cache_lengths"]
     if type(lengths) not in (list, tuple) or not all(type(n) is int for n in lengths):
         return None
-    options = arguments["options"]
-    if not _SIMPLE.issuperset(map(type, options.values())):
-        return None
-    if type(arguments["num_splits"]) not in _SIMPLE:
-        return None
-    query = plain_signature(arguments["query"])
-    keys = plain_signature(arguments["key_cache"])
-    values = plain_signature(arguments["value_cache"])
-    if query is None or keys is None or values is None:
-        return None
-    arrays = (query, keys, values)
-    kinds = tuple((name, type(value), value) for name, value in options.items())
-    device = getattr(query[3], "type", query[3])  # NumPy: "cpu"; torch: its device's
-    found = (*arrays, tuple(lengths), arguments["num_splits"], kinds)
-    if device != "cpu" or options.get("implementation") == "triton":
-        return (*found, interpreting())  # which arrays the Triton kernels take then
-    return found
+    arrays = (arguments["query"], arguments["key_cache"], arguments["value_cache"], None, None)
+    found = call_signature(
+        arrays, (lengths, None, None), arguments["num_splits"], arguments["options"]
+    )
+    return None if found is None else (found, tuple(lengths))
 
 
 def call_signature(

@@ -24,6 +24,7 @@ from ..._problem.options import Options
 from ..._problem.outputs import Outputs
 from ..._problem.packed import Packed
 from ..._problem.problem import validate
+from ..layout import swap_heads_and_length
 
 __all__ = ["one_forward", "one_vjp", "segments_call"]
 
@@ -54,14 +55,13 @@ def heads_first(*arrays: Array) -> tuple[Array, ...]:
     """Packed ``(total, heads, features)`` arrays as one sequence ``(1, heads, total,
     features)`` (views)."""
     xp = array_namespace({"query": arrays[0]})
-    return tuple(xp.expand_dims(xp.permute_dims(x, (1, 0, 2)), axis=0) for x in arrays)
+    return tuple(xp.expand_dims(x, axis=0) for x in swap_heads_and_length(*arrays))
 
 
 def packed_back(x: Array) -> Array:
     """The one call's ``(1, heads, total, features)`` result as ``(total, heads,
     features)``."""
-    xp = array_namespace({"x": x})
-    return xp.permute_dims(x[0, ...], (1, 0, 2))
+    return swap_heads_and_length(x[0, ...])[0]
 
 
 def one_forward(
