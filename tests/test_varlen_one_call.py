@@ -162,3 +162,41 @@ def test_torch_autograd_through_the_one_call(torch_cpu_backend, one_calls):
     for a, b in zip(got, want[:3], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert one_calls == ["forward", "vjp"]
+
+
+def test_jax_jit_grad_through_the_one_call(jax_backend, one_calls):
+    """``jax.jit(jax.grad)`` through the one call gives the VJP's gradients (float64: the
+    same products in the same order, so they agree to rounding)."""
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v, g = _arrays(jax_backend, "float64", CU[-1])
+    options = {"is_causal": True, "enable_gqa": True}
+
+    def loss(q: Any, k: Any, v: Any) -> Any:
+        out = sdpa_array.scaled_dot_product_attention_varlen(q, k, v, CU, CU, **options)
+        return jnp.sum(out * g)
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert one_calls == ["forward"]  # traced once
+    want = sdpa_array.scaled_dot_product_attention_varlen_vjp(q, k, v, g, CU, CU, **options)
+    for a, b in zip(got, want[:3], strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-12)
+
+
+def test_torch_func_grad_through_the_one_call(torch_cpu_backend, one_calls):
+    """``torch.func.grad`` through the one call gives the VJP's gradients (float64)."""
+    import torch
+
+    q, k, v, g = _arrays(torch_cpu_backend, "float64", CU[-1])
+    options = {"is_causal": True, "enable_gqa": True}
+
+    def loss(q: Any, k: Any, v: Any) -> Any:
+        out = sdpa_array.scaled_dot_product_attention_varlen(q, k, v, CU, CU, **options)
+        return (out * g).sum()
+
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    want = sdpa_array.scaled_dot_product_attention_varlen_vjp(q, k, v, g, CU, CU, **options)
+    for a, b in zip(got, want[:3], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert one_calls[0] == "forward"
