@@ -351,11 +351,11 @@ def bench_compare(session: nox.Session) -> None:
     in asv's pinned environment), failing where a tracked ratio grew by more than
     :data:`GATE_FACTOR` (``asv continuous``). Commit the change first: asv measures
     commits, not the working tree."""
-    _bench_session(session)
+    machine = _bench_session(session)
     base = session.posargs[0] if session.posargs else "main"
     session.run(
         "asv", "continuous", "--bench", HISTORY, "--factor", str(GATE_FACTOR),
-        "--show-stderr", "--split", base, "HEAD",
+        "--show-stderr", f"--machine={machine}", "--split", base, "HEAD",
     )  # fmt: skip
 
 
