@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 import math
+import time
+import types
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sdpa_array
+from sdpa_array._arrays import inplace
 from sdpa_array._kernels import blocked, score_bound, vjp_blocked
 from sdpa_array._kernels.operands import prepare
 from sdpa_array._problem.options import Options
@@ -279,6 +282,33 @@ def test_both_paths_against_the_oracle(backend_dtype, options, fixed, monkeypatc
     """Each forward path, forced, within the oracle's bounds, with small blocks."""
     backend, dtype = backend_dtype
     decided = _forced(monkeypatch, blocked, fixed)
+    _check_small_blocks(backend, dtype, options, monkeypatch)
+    _check_decisions(backend, decided)
+
+
+@pytest.mark.parametrize("base2", [True, False], ids=["exp2", "exp"])
+@pytest.mark.parametrize("options", CASES)
+def test_fixed_path_with_either_exponential(backend_dtype, options, base2, monkeypatch):
+    """The fixed reference's softmax with ``exp2`` of the scores times ``log2(e)`` and with
+    ``exp`` of the scores (whichever :func:`inplace.exp2_is_faster` finds faster), forced
+    on a library that has ``exp2``, within the oracle's bounds."""
+    backend, dtype = backend_dtype
+    decided = _forced(monkeypatch, blocked, True)
+    asked: list[bool] = []
+
+    def chosen(xp, x):
+        asked.append(inplace.has_exp2(xp))
+        return base2 and inplace.has_exp2(xp)
+
+    monkeypatch.setattr(inplace, "exp2_is_faster", chosen)
+    _check_small_blocks(backend, dtype, options, monkeypatch)
+    _check_decisions(backend, decided)
+    if decided and "dropout_p" not in options:  # the kernel asked on every eager call
+        assert asked
+
+
+def _check_small_blocks(backend, dtype, options, monkeypatch) -> None:
+    """The blocked forward with blocks of 4 x 3 on 13 x 11 against the oracle."""
     rng = np.random.default_rng(11)
     L, S = 13, 11
     q, k, v = (rng.standard_normal((2, n, L if i == 0 else S, 4)) for i, n in enumerate((4, 2, 2)))
@@ -300,7 +330,27 @@ def test_both_paths_against_the_oracle(backend_dtype, options, fixed, monkeypatc
         enable_gqa=True,
         **run,
     )
-    _check_decisions(backend, decided)
+
+
+def test_exp2_chosen_where_timed_faster():
+    """NumPy's exponential is chosen by timing: a clearly slower candidate is refused, a
+    clearly faster one taken; the choice for a dtype is made once; a library without
+    ``exp2`` takes ``exp``, one with it (torch, JAX) ``exp2``."""
+
+    def slow(x, out):
+        time.sleep(1e-3)
+        return np.exp(x, out=out)
+
+    assert not inplace.clearly_faster(slow, np.exp, "float32")
+    assert inplace.clearly_faster(np.exp, slow, "float32")
+    inplace.numpy_exp2_is_faster.cache_clear()
+    first = inplace.exp2_is_faster(np, np.zeros(2, np.float32))
+    assert inplace.numpy_exp2_is_faster.cache_info().misses == 1
+    assert inplace.exp2_is_faster(np, np.zeros(3, np.float32)) is first
+    assert inplace.numpy_exp2_is_faster.cache_info().misses == 1
+    no_exp2 = types.SimpleNamespace()
+    assert not inplace.exp2_is_faster(no_exp2, np.zeros(2, np.float32))
+    assert inplace.exp2_is_faster(types.SimpleNamespace(exp2=np.exp2), object())
 
 
 @pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "row-maximum"])

@@ -83,15 +83,28 @@ def _ratio(times: dict[str, list[float]], ours: str, peer: str) -> float:
     return statistics.median(a / b for a, b in zip(times[ours], times[peer], strict=True))
 
 
+def _ratio_of_ratios(
+    times: dict[str, list[float]], ours: tuple[str, str], limit: tuple[str, str]
+) -> float:
+    """The median over rounds of ``(ours[0] / ours[1]) / (limit[0] / limit[1])``: how far
+    our ratio of two calls stays from the same ratio of a limit (1: it follows it)."""
+    if any(name not in times for name in (*ours, *limit)):
+        return float("nan")
+    rounds = zip(*(times[name] for name in (*ours, *limit)), strict=True)
+    return statistics.median((a / b) / (c / d) for a, b, c, d in rounds)
+
+
 def _plain_numpy_forward(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, *, softmax: bool = True
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, *, softmax: bool = True, causal: bool = False
 ) -> Callable[[], Any]:
     """The limit of a NumPy forward: the softmax of 512-row blocks written as a plain loop
     (scores, row maxima, ``exp`` in place, row sums, ``P V``) on a pool of :data:`THREADS`
     threads with one-thread BLAS, no validation or planning around it. Without
-    ``softmax``: the blocks' two products alone, the GEMM bound of such a loop."""
-    from threadpoolctl import threadpool_limits
-
+    ``softmax``: the blocks' two products alone, the GEMM bound of such a loop; with
+    ``causal`` as well, the products of each block's rows with the keys up to its last
+    row's (the causal call's pairs, at the blocks' granularity)."""
+    if softmax and causal:
+        raise ValueError("the plain loop's softmax is the non-causal call's")
     scale = np.float32(q.shape[-1] ** -0.5)
     items = [
         (b, h, r)
@@ -102,16 +115,47 @@ def _plain_numpy_forward(
 
     def block(item: tuple[int, int, int]) -> np.ndarray:
         b, h, r = item
-        s = (q[b, h, r : r + 512] * scale) @ k[b, h].T
+        keys = slice(0, min(r + 512, k.shape[2]) if causal else k.shape[2])
+        s = (q[b, h, r : r + 512] * scale) @ k[b, h, keys].T
         if not softmax:
-            return s @ v[b, h]
+            return s @ v[b, h, keys]
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         return (s @ v[b, h]) / s.sum(axis=-1, keepdims=True)
 
+    return _on_pool(block, items)
+
+
+def _plain_numpy_products_backward(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray
+) -> Callable[[], Any]:
+    """The GEMM bound of a NumPy backward: the five products of 128-row blocks against all
+    keys (``S = Q Kᵀ``, ``dP = dO Vᵀ``, ``Sᵀ dO``, ``dP K``, ``dPᵀ Q``), the rows a VJP
+    that recomputes its scores needs, on the pool of :func:`_plain_numpy_forward`."""
+    items = [
+        (b, h, r)
+        for b in range(q.shape[0])
+        for h in range(q.shape[1])
+        for r in range(0, q.shape[2], 128)
+    ]
+
+    def block(item: tuple[int, int, int]) -> tuple[np.ndarray, ...]:
+        b, h, r = item
+        rows, grads = q[b, h, r : r + 128], g[b, h, r : r + 128]
+        s = rows @ k[b, h].T
+        dp = grads @ v[b, h].T
+        return s.T @ grads, dp @ k[b, h], dp.T @ rows
+
+    return _on_pool(block, items)
+
+
+def _on_pool(block: Callable[[Any], Any], items: list[Any]) -> Callable[[], Any]:
+    """``block`` of every item on a pool of :data:`THREADS` threads, BLAS on one thread."""
+    from threadpoolctl import threadpool_limits
+
     pool = ThreadPoolExecutor(THREADS)
 
-    def run() -> list[np.ndarray]:
+    def run() -> list[Any]:
         with threadpool_limits(1):
             return list(pool.map(block, items))
 
@@ -206,6 +250,7 @@ class Ratios:
             "ours causal": lambda: f(q, k, v, is_causal=True),
             "torch": lambda: sdpa(tq, tk, tv),
             "products": _plain_numpy_forward(q, k, v, softmax=False),
+            "products causal": _plain_numpy_forward(q, k, v, softmax=False, causal=True),
             "plain numpy": _plain_numpy_forward(q, k, v),
         }
         if _runs(lambda: f(q, k, v, return_max_scores=True)):
@@ -216,6 +261,9 @@ class Ratios:
             "plain_numpy_limit": _ratio(times, "ours", "plain numpy"),
             "torch_forward": _ratio(times, "ours", "torch"),
             "causal": _ratio(times, "ours causal", "ours"),
+            "causal_over_products": _ratio_of_ratios(
+                times, ("ours causal", "ours"), ("products causal", "products")
+            ),
             "max_scores": _ratio(times, "ours max scores", "ours"),
         }
 
@@ -226,10 +274,12 @@ class Ratios:
             "ours causal": lambda: vjp(bq, bk, bv, bg, is_causal=True),
             "torch": _torch_backward(bq, bk, bv, bg, causal=False),
             "torch causal": _torch_backward(bq, bk, bv, bg, causal=True),
+            "products": _plain_numpy_products_backward(bq, bk, bv, bg),
         }
         times = _interleaved(backward, ROUNDS)
         figures["vjp_torch"] = _ratio(times, "ours", "torch")
         figures["vjp_torch_causal"] = _ratio(times, "ours causal", "torch causal")
+        figures["vjp_products"] = _ratio(times, "ours", "products")
 
         times = _interleaved(_document_calls(), ROUNDS)
         for name in ("mask_mod", "segment_ids", "varlen"):
@@ -283,6 +333,15 @@ class Ratios:
 
     track_causal.unit = "ratio"  # type: ignore[attr-defined]
 
+    def track_causal_over_products(self, figures: dict[str, float]) -> float:
+        """Our causal / non-causal forward, over the same ratio of the tile products alone
+        (the plain loop's products over each 512-row block's keys up to its diagonal, and
+        over all keys): how much of the products' causal saving our call keeps; good is at
+        or below 1.05 (a causal speed-up at least 0.95 of the products' own)."""
+        return self._figure(figures, "causal_over_products")
+
+    track_causal_over_products.unit = "ratio"  # type: ignore[attr-defined]
+
     def track_max_scores(self, figures: dict[str, float]) -> float:
         """Our forward with ``return_max_scores=True`` / without: good is at or below 1.05."""
         return self._figure(figures, "max_scores")
@@ -295,6 +354,13 @@ class Ratios:
         return self._figure(figures, "vjp_torch")
 
     track_vjp_torch.unit = "ratio"  # type: ignore[attr-defined]
+
+    def track_vjp_products(self, figures: dict[str, float]) -> float:
+        """Our NumPy VJP (1x8x1024x64) / its GEMM bound, the five products of 128-row blocks
+        against all keys in a plain loop on the same pool: good is at or below 1.1."""
+        return self._figure(figures, "vjp_products")
+
+    track_vjp_products.unit = "ratio"  # type: ignore[attr-defined]
 
     def track_vjp_torch_causal(self, figures: dict[str, float]) -> float:
         """The same, causal: good is at or below 1.2."""

@@ -15,8 +15,13 @@ The kernels call :func:`add`, :func:`add_rows`, :func:`subtract`, :func:`multipl
 
 from __future__ import annotations
 
+import functools
+import math
 import sys
+import time
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 from array_api_compat import (
@@ -34,6 +39,8 @@ __all__ = [
     "add",
     "add_rows",
     "exp",
+    "exp2",
+    "exp2_is_faster",
     "fillable",
     "multiply",
     "subtract",
@@ -124,10 +131,56 @@ def has_exp2(xp: ModuleType) -> bool:
     return callable(getattr(xp, "exp2", None))
 
 
+def exp2_is_faster(xp: ModuleType, x: Array) -> bool:
+    """Whether to exponentiate arrays like ``x`` (its library and dtype) with ``exp2``.
+
+    A kernel that can take either ``exp`` of its scores or ``exp2`` of its scores times
+    ``log2(e)`` asks this. NumPy's speed of the two depends on the CPU features its build
+    dispatches to (float32 ``exp2`` is about twice as fast as ``exp`` with AVX-512, about
+    twice as slow with AVX2 alone), so for NumPy arrays both are timed once per dtype in
+    the process (:func:`numpy_exp2_is_faster`) and ``exp2`` is taken where it is clearly
+    faster. Other libraries with ``exp2`` take it (a GPU's ``exp2`` is its hardware
+    instruction and ``exp`` is computed from it); libraries without it take ``exp``.
+    """
+    if not has_exp2(xp):
+        return False
+    if is_numpy_array(x):
+        return numpy_exp2_is_faster(np.dtype(x.dtype).name)
+    return True
+
+
+#: ``exp2`` is taken on NumPy when its best time is at most this share of ``exp``'s: a
+#: clear margin, so that a CPU where the two are close keeps ``exp`` in every process.
+EXP2_MARGIN = 0.8
+
+
+@functools.cache
+def numpy_exp2_is_faster(dtype: str) -> bool:
+    """Whether NumPy's ``exp2`` is clearly faster than its ``exp`` on this machine for
+    ``dtype`` (a floating dtype's name): :func:`clearly_faster`, about a millisecond once
+    per dtype and process."""
+    return clearly_faster(np.exp2, np.exp, dtype)
+
+
+def clearly_faster(candidate: Callable[..., Any], baseline: Callable[..., Any], dtype: str) -> bool:
+    """Whether the NumPy ufunc-like ``candidate`` takes at most :data:`EXP2_MARGIN` of
+    ``baseline``'s time: the best of 7 interleaved timings of each, in place (``out=``) on
+    2**14 elements of ``dtype`` spread over ``[-30, 0]`` (where a softmax's exponents lie)."""
+    values = np.linspace(-30.0, 0.0, 1 << 14, dtype=dtype)
+    work = np.empty_like(values)
+    best = [math.inf, math.inf]
+    for _ in range(7):
+        for i, function in enumerate((candidate, baseline)):
+            np.copyto(work, values)
+            start = time.perf_counter()
+            function(work, out=work)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0] <= EXP2_MARGIN * best[1]
+
+
 def exp2(xp: ModuleType, x: Array) -> Array:
     """``2 ** x`` (``xp`` must have ``exp2``: :func:`has_exp2`), written into ``x`` where
-    that is allowed, as :func:`exp`; use the returned array. NumPy's ``exp2`` takes about
-    half the time of its ``exp`` on float32."""
+    that is allowed, as :func:`exp`; use the returned array."""
     return _unary(xp, x, "exp2")
 
 

@@ -8,7 +8,9 @@ raises the maximum. Queries are processed in blocks too, so the largest temporar
 
 Where a bound read on the host keeps every score small (:func:`~.score_bound.fixed_reference`)
 the rows take a reference of 0 instead: no maxima, no rescaling; the scores then come out
-times ``log2(e)`` where the library has ``exp2`` (faster than ``exp`` on NumPy), whose
+times ``log2(e)`` where the library's ``exp2`` is the faster exponential
+(:func:`~sdpa_array._arrays.inplace.exp2_is_faster`, timed once on NumPy, whose ``exp2`` is
+twice as fast as ``exp`` with AVX-512 and twice as slow with AVX2 alone), and their
 ``exp2`` is their ``exp`` (:meth:`~.operands.Operands.in_base2`).
 
 The tiles come from :func:`~sdpa_array._kernels.tiling.plan_blocks`, which skips the tiles
@@ -262,9 +264,10 @@ def blocked_attention(
     else:
         shared = plan_blocks(ops.restrictions, bq, bk, cut_rows=fixed, narrow_rows=fixed)
         plans = dict.fromkeys(outer, shared)
-    # exp2 of the scores times log2(e): faster than exp; the maximum scores are then those
-    # scores' maxima over log2(e), except where the scores are not the scaled products
-    if fixed and inplace.has_exp2(xp) and not (maxima and ops.terms.changes_scores):
+    # exp2 of the scores times log2(e) where that is the faster exponential; the maximum
+    # scores are then those scores' maxima over log2(e), except where the scores are not
+    # the scaled products
+    if fixed and inplace.exp2_is_faster(xp, ops.q) and not (maxima and ops.terms.changes_scores):
         ops = ops.in_base2(in_place=True)  # the operands before are not used again
     slices = {index: ops.at(index) for index in outer}
     items = [(index, block) for index in outer for block in plans[index]]
