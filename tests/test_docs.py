@@ -9,6 +9,7 @@ import importlib
 import inspect
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -282,7 +283,6 @@ def test_performance_page_thresholds_are_the_codes():
 
 
 def figures_module():
-    import sys
 
     sys.path.insert(0, str(ROOT / "docs" / "_ext"))
     try:
@@ -383,3 +383,34 @@ def test_committed_results_draw_every_performance_figure():
     ):
         (cpu,) = [m for m in found.get(name, []) if m.run.machine == "amd-epyc-2cpu-avx512"]
         assert any(v is not None for v in cpu.values.values()), name
+
+
+def test_performance_history_lists_each_machines_latest_figures(tmp_path):
+    """The history page's snippet names every machine (CPU, flags, cores) and gives each
+    figure's value at its latest commit; the figure grid is drawn."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    try:
+        import performance_history
+    finally:
+        sys.path.remove(str(ROOT / "docs" / "_ext"))
+    results = tmp_path / "results"
+    for name, flags, values in [
+        ("wide-2cpu", "avx512f", (0.84, 0.9)),
+        ("narrow-2cpu-emulated", "avx2", (1.33, 1.01)),
+    ]:
+        folder = results / name
+        folder.mkdir(parents=True)
+        (folder / "machine.json").write_text(json.dumps({"cpu": f"A CPU ({flags})", "num_cpu": 2}))
+        for commit, value in zip(("a" * 40, "b" * 40), values, strict=True):
+            figure = "history.Ratios.track_plain_numpy_limit"
+            write_result(folder, commit, {figure: [[value], [], "v", 2]})
+            data = json.loads((folder / f"{commit[:8]}-existing-py.json").read_text())
+            data["date"] += 1000 if commit[0] == "b" else 0
+            (folder / f"{commit[:8]}-existing-py.json").write_text(json.dumps(data))
+    performance_history.write(results, tmp_path / "generated")
+    text = (tmp_path / "generated" / "snippets" / "history_machines.md").read_text()
+    assert (tmp_path / "generated" / "history" / "ratios.png").stat().st_size > 1000
+    assert "| `wide-2cpu` | A CPU (avx512f) | 2 | 2 |" in text
+    assert "`narrow-2cpu-emulated` at `bbbbbbbb`" in text
+    assert "| forward / a plain NumPy loop | 1.01 | 0.90 |" in text

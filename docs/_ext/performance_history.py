@@ -24,7 +24,9 @@ TITLES = {
     "gemm_bound": "forward / its two products alone",
     "plain_numpy_limit": "forward / a plain NumPy loop",
     "causal": "causal / non-causal forward",
+    "causal_over_products": "causal speed-up: the products' own / ours",
     "vjp_torch": "VJP / torch's backward",
+    "vjp_products": "VJP / its five products alone",
     "vjp_torch_causal": "causal VJP / torch's causal backward",
     "documents_mask_mod": "8 documents, mask_mod / as a batch",
     "documents_segment_ids": "8 documents, segment_ids / as a batch",
@@ -73,8 +75,7 @@ def read_results(results: Path) -> list[Machine]:
 def draw(machines: list[Machine], out: Path) -> bool:
     """The figures of ``machines`` as one PNG grid at ``out``; ``False`` when there is
     nothing to draw."""
-    figures = [f for f in TITLES if any(f in m.points for m in machines)]
-    figures += sorted({f for m in machines for f in m.points} - set(figures))
+    figures = _ordered(machines)
     if not figures:
         return False
     import matplotlib
@@ -125,12 +126,38 @@ def machines_table(machines: list[Machine]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def _ordered(machines: list[Machine]) -> list[str]:
+    """The figures of ``machines``: :data:`TITLES`' order first, then the others by name."""
+    figures = [f for f in TITLES if any(f in m.points for m in machines)]
+    return figures + sorted({f for m in machines for f in m.points} - set(figures))
+
+
+def latest_table(machines: list[Machine]) -> str:
+    """A MyST table of each figure's value at each machine's latest measured commit (one
+    column per machine, its commit in the header); empty without results."""
+    if not machines:
+        return ""
+    latest = []
+    for m in machines:
+        when, commit = max((p[0], p[1]) for points in m.points.values() for p in points)
+        values = {f: p[2] for f, points in m.points.items() for p in points if p[1] == commit}
+        latest.append((m.name, commit, when.date(), values))
+    head = "| figure | " + " | ".join(f"`{n}` at `{c}` ({d})" for n, c, d, _ in latest) + " |"
+    rows = [head, "| --- |" + " --- |" * len(latest)]
+    for figure in _ordered(machines):
+        cells = [f"{v[figure]:.2f}" if figure in v else "–" for *_, v in latest]
+        rows.append(f"| {TITLES.get(figure, figure)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
 def write(results: Path, generated: Path) -> None:
     """Draw the history into ``generated/history/ratios.png`` and write the machines'
     table to ``generated/snippets/history_machines.md``."""
     machines = read_results(results)
     drawn = draw(machines, generated / "history" / "ratios.png")
     text = machines_table(machines)
+    if machines:
+        text += "\nThe latest figures of each machine:\n\n" + latest_table(machines)
     if drawn:
         text = (
             "```{image} /generated/history/ratios.png\n"
