@@ -257,10 +257,22 @@ HISTORY = "^history\\."
 GATE_FACTOR = 1.4
 
 
+#: ``SDPA_BENCH_FAMILY=avx2`` holds NumPy (2.4's dispatch names), OpenBLAS and torch to
+#: their AVX2 kernels on an AVX-512 machine, for the figures of a second CPU family: an
+#: emulated family, named as such in the asv machine's name and CPU description.
+AVX2_KERNELS = {
+    "OPENBLAS_CORETYPE": "Haswell",
+    "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL",
+    "ATEN_CPU_CAPABILITY": "avx2",
+}
+
+
 def _asv_machine(session: nox.Session) -> str:
     """Register this machine with asv under a name made of its CPU model, cores and the
     widest vector extension it has, with the model and flags as its CPU description;
-    return the name."""
+    return the name. With ``SDPA_BENCH_FAMILY=avx2`` on an AVX-512 machine the libraries
+    take their AVX2 kernels (:data:`AVX2_KERNELS`) and the machine is named
+    ``...-avx2-emulated``."""
     import platform
 
     model, flags = platform.processor() or platform.machine(), set()
@@ -273,8 +285,12 @@ def _asv_machine(session: nox.Session) -> str:
     except OSError:
         pass
     cores = os.cpu_count() or 1
-    present = [f for f in CPU_FLAGS if f in flags]
     widest = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "sse"
+    emulated = os.environ.get("SDPA_BENCH_FAMILY") == "avx2" and widest == "avx512"
+    if emulated:
+        session.env.update(AVX2_KERNELS)
+        widest, flags = "avx2 emulated", {f for f in flags if not f.startswith("avx512")}
+    present = [f for f in CPU_FLAGS if f in flags]
     name = os.environ.get(
         "SDPA_ASV_MACHINE",
         re.sub(r"[^a-z0-9]+", "-", f"{model} {cores}cpu {widest}".lower()).strip("-"),
@@ -287,7 +303,11 @@ def _asv_machine(session: nox.Session) -> str:
         pass
     session.run(
         "asv", "machine", "--yes", "--machine", name, "--os", platform.platform(),
-        "--arch", platform.machine(), "--cpu", f"{model}; flags: {' '.join(present)}",
+        "--arch", platform.machine(),
+        "--cpu", f"{model}; flags: {' '.join(present)}" + (
+            "; AVX2 emulated: " + ", ".join(f"{k}={v!r}" for k, v in AVX2_KERNELS.items())
+            if emulated else ""
+        ),
         "--num_cpu", str(cores), "--ram", memory,
     )  # fmt: skip
     return name
