@@ -60,6 +60,23 @@ def test_taken_for_bounded_scores():
     assert _decision(q * 100, k * 100, v, softcap=20.0)
 
 
+def _with(v: np.ndarray, *values: float) -> np.ndarray:
+    """``v`` with its first entries set to ``values``."""
+    v = v.copy()
+    v.reshape(-1)[: len(values)] = values
+    return v
+
+
+def test_zeros_among_the_values_keep_it():
+    """Zeros keep their digits under any weight: values with zeros (padding, ReLU outputs)
+    are bounded like the same values without them; only a non-zero tiny one refuses."""
+    q, k, v = _unit()
+    assert _decision(q, k, _with(v, 0.0, 0.0))
+    assert _decision(q, k, np.zeros_like(v))
+    assert _decision(q, k, _with(v, 0.0, 1e-20))  # above the float32 limit, about 4.4e-22
+    assert not _decision(q, k, _with(v, 0.0, -1e-23))
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -71,6 +88,7 @@ def test_taken_for_bounded_scores():
         ),
         pytest.param(lambda q, k, v, o: (q, k, v * 1e32, o), id="huge-values"),
         pytest.param(lambda q, k, v, o: (q, k, v * 1e-30, o), id="tiny-values"),
+        pytest.param(lambda q, k, v, o: (q, k, _with(v, 0.0, 1e-30), o), id="zero+tiny-value"),
         pytest.param(
             lambda q, k, v, o: (np.where(q > 2, np.nan, q).astype(np.float32), k, v, o), id="nan"
         ),

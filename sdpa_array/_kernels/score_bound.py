@@ -142,12 +142,14 @@ def fixed_reference(p: Problem, ops: Operands, bound: float | None = None) -> bo
     magnitude = xp.abs(ops.v)
     largest = _largest(p, magnitude)
     smallest = known_value(xp.min(magnitude))
-    if smallest == 0:  # the smallest nonzero magnitude instead
-        inf = xp.asarray(math.inf, dtype=p.compute_dtype, device=p.device)
-        smallest = known_value(xp.min(xp.where(magnitude == 0, inf, magnitude)))
     if largest is None or smallest is None:
         return False
     finfo = xp.finfo(p.compute_dtype)
     fits = largest * p.S * math.exp(limit) <= float(finfo.max) / 4
-    keeps_digits = smallest * math.exp(-limit) * float(finfo.eps) >= float(finfo.smallest_normal)
+    # every non-zero |v| times e^-T eps stays normal: at least this
+    threshold = float(finfo.smallest_normal) / (math.exp(-limit) * float(finfo.eps))
+    keeps_digits = smallest >= threshold
+    if smallest == 0:  # zeros keep their digits: is any other magnitude below it?
+        below = known_value(xp.any(xp.logical_and(magnitude < threshold, magnitude > 0)))
+        keeps_digits = below is not None and not below
     return bool(fits and keeps_digits)
