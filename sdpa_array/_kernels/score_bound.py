@@ -121,6 +121,32 @@ def chunks_from_bound(p: Problem, ops: Operands) -> tuple[Operands, float | None
     return ops, bound
 
 
+#: Rows of the values read at a time by :func:`_value_magnitudes` (per batch element and
+#: head): a slice's magnitudes stay in cache and need no large allocation.
+VALUE_ROWS = 256
+
+
+def _value_magnitudes(p: Problem, v: Array) -> tuple[float, float] | None:
+    """The largest ``|v|`` and the smallest non-zero one (``inf`` where all are zeros),
+    read slice by slice along the rows; ``None`` where they cannot be read."""
+    xp = p.xp
+    largest = smallest = None
+    inf = xp.asarray(math.inf, dtype=v.dtype, device=p.device)
+    rows = int(v.shape[-2])
+    for start in range(0, rows, VALUE_ROWS):
+        m = xp.abs(v[..., start : min(start + VALUE_ROWS, rows), :])
+        high, low = xp.max(m), xp.min(m)
+        nonzero = xp.min(xp.where(m == 0, inf, m)) if known_value(low) == 0 else low
+        if largest is None:
+            largest, smallest = high, nonzero
+        else:
+            largest, smallest = xp.maximum(largest, high), xp.minimum(smallest, nonzero)
+    read = [known_value(largest), known_value(smallest)]
+    if read[0] is None or read[1] is None:
+        return None
+    return read[0], read[1]
+
+
 def fixed_reference(p: Problem, ops: Operands, bound: float | None = None) -> bool:
     """Whether every score of the call lies within ``±T`` (:func:`exponent_limit`) and the
     values keep their digits under weights in ``[e^-T, e^T]``: the softmax may then take
@@ -139,17 +165,13 @@ def fixed_reference(p: Problem, ops: Operands, bound: float | None = None) -> bo
         sink = _largest(p, xp.abs(terms.sink))
         if sink is None or not sink <= limit:
             return False
-    magnitude = xp.abs(ops.v)
-    largest = _largest(p, magnitude)
-    smallest = known_value(xp.min(magnitude))
-    if largest is None or smallest is None:
+    magnitudes = _value_magnitudes(p, ops.v)
+    if magnitudes is None:
         return False
+    largest, smallest_nonzero = magnitudes
     finfo = xp.finfo(p.compute_dtype)
     fits = largest * p.S * math.exp(limit) <= float(finfo.max) / 4
     # every non-zero |v| times e^-T eps stays normal: at least this
     threshold = float(finfo.smallest_normal) / (math.exp(-limit) * float(finfo.eps))
-    keeps_digits = smallest >= threshold
-    if smallest == 0:  # zeros keep their digits: is any other magnitude below it?
-        below = known_value(xp.any(xp.logical_and(magnitude < threshold, magnitude > 0)))
-        keeps_digits = below is not None and not below
+    keeps_digits = smallest_nonzero >= threshold
     return bool(fits and keeps_digits)
