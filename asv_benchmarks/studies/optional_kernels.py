@@ -17,6 +17,8 @@ against what a route "torch's kernel on NumPy memory" would cost: torch's
 result back as NumPy (``.numpy()``, no copy); for the VJP, the forward under autograd and
 ``torch.autograd.grad`` with the cotangent, as the library's native torch VJP does (the
 forward recomputed, as our VJP recomputes the scores), the three gradients back as NumPy.
+Both again at 1x8x128x64 to 1x8x1024x64 (:data:`SMALL`), several calls per round, where
+the calls' fixed costs show.
 
 (c) the forward's exponentials and row sums, on the tiles of our forward plan
 (``choose_block_sizes``: 1024 x 256 at L = 4096; every (batch, head), query block and key
@@ -270,6 +272,42 @@ def backward_steps(q: np.ndarray, k: np.ndarray, g: np.ndarray) -> tuple[Candida
     return cands, f"{plan.block_q}x{plan.width}"
 
 
+#: (b) at smaller lengths: (L, calls per round), where the calls' fixed costs show.
+SMALL = [(128, 50), (256, 20), (512, 10), (1024, 3)]
+
+
+def _repeated(fn: Callable[[], Any], calls: int) -> Callable[[], Any]:
+    def run() -> Any:
+        for _ in range(calls):
+            out = fn()
+        return out
+
+    return run
+
+
+def small_calls(quick: bool) -> tuple[Candidates, dict[str, str], dict[str, int]]:
+    """(a) and (b) at the lengths of :data:`SMALL`, ``calls`` calls per round each."""
+    backend = get_backend("numpy")
+    f = sdpa_array.scaled_dot_product_attention
+    vjp = sdpa_array.scaled_dot_product_attention_vjp
+    cands: Candidates = {}
+    shapes: dict[str, str] = {}
+    calls: dict[str, int] = {}
+    for length, n in SMALL:
+        n = 2 if quick else n
+        q, k, v = make_inputs(backend, (1, 8, length, 64), "float32")
+        g = make_inputs(backend, (1, 8, length, 64), "float32", seed=1)[0]
+        pairs = {
+            f"ours fwd {length}": lambda q=q, k=k, v=v: f(q, k, v),
+            f"torch fwd {length}": torch_forward(q, k, v),
+            f"ours VJP {length}": lambda q=q, k=k, v=v, g=g: vjp(q, k, v, g),
+            f"torch VJP {length}": torch_vjp(q, k, v, g),
+        }
+        for name, fn in pairs.items():
+            cands[name], shapes[name], calls[name] = _repeated(fn, n), f"1x8x{length}x64", n
+    return cands, shapes, calls
+
+
 def check(cands: Candidates) -> None:
     """The optional forms compute what the NumPy forms compute (same tiles, same sums)."""
     for a, b in [("np PV", "sgemm PV"), ("np dKdV", "sgemm dKdV")]:
@@ -277,7 +315,7 @@ def check(cands: Candidates) -> None:
             np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-3)
 
 
-def build(args: argparse.Namespace) -> tuple[Candidates, dict[str, str]]:
+def build(args: argparse.Namespace) -> tuple[Candidates, dict[str, str], dict[str, int]]:
     fwd, bwd = (256, 256) if args.quick else (4096, 2048)
     backend = get_backend("numpy")
     q, k, v = make_inputs(backend, (1, 8, fwd, 64), "float32")
@@ -309,7 +347,12 @@ def build(args: argparse.Namespace) -> tuple[Candidates, dict[str, str]]:
     cands.update(steps)
     shapes.update(dict.fromkeys(steps, f"{bwd_text}, {tile} blocks"))
     check(cands)
-    return cands, shapes
+    calls = dict.fromkeys(cands, 1)
+    small, small_shapes, small_counts = small_calls(args.quick)
+    cands.update(small)
+    shapes.update(small_shapes)
+    calls.update(small_counts)
+    return cands, shapes, calls
 
 
 def _cpu() -> tuple[str, str]:
@@ -360,9 +403,18 @@ def _ratio(times: dict[str, list[float]], num: str, den: str) -> list[float]:
     return [a / b for a, b in zip(times[num], times[den], strict=True)]
 
 
-def report(times: dict[str, list[float]], shapes: dict[str, str]) -> None:
+def report(times: dict[str, list[float]], shapes: dict[str, str], calls: dict[str, int]) -> None:
     print("\n| ratio | median | per-round min-max |\n|---|---|---|")
-    for figure, num, den in RATIOS:
+    small = [
+        (
+            f"(b) torch on NumPy memory / ours, {kind}, 1x8x{n}x64",
+            f"torch {kind} {n}",
+            f"ours {kind} {n}",
+        )
+        for n, _ in SMALL
+        for kind in ("fwd", "VJP")
+    ]
+    for figure, num, den in RATIOS + small:
         r = _ratio(times, num, den)
         print(f"| {figure} | {statistics.median(r):.3f} | {min(r):.3f}-{max(r):.3f} |")
     print("\n| the most the call would save | median | per-round min-max |\n|---|---|---|")
@@ -371,9 +423,10 @@ def report(times: dict[str, list[float]], shapes: dict[str, str]) -> None:
         print(f"| {figure} | {statistics.median(r):+.3f} | {min(r):+.3f} to {max(r):+.3f} |")
     print("\n| candidate | shape | ms per call, median (min-max) |\n|---|---|---|")
     for name, seconds in times.items():
-        t = [s * 1e3 for s in seconds]
+        t = [s * 1e3 / calls[name] for s in seconds]
         med = statistics.median(t)
-        print(f"| {name} | {shapes[name]} | {med:.2f} ({min(t):.2f}-{max(t):.2f}) |")
+        shape = shapes[name] + (f", {calls[name]} calls per round" if calls[name] > 1 else "")
+        print(f"| {name} | {shape} | {med:.2f} ({min(t):.2f}-{max(t):.2f}) |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -396,10 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     with threadpool_limits(limits=args.threads, user_api="blas"):
         print(header(args, command), flush=True)
         print("building and checking the candidates ...", file=sys.stderr, flush=True)
-        cands, shapes = build(args)
+        cands, shapes, calls = build(args)
         print(f"timing {len(cands)} candidates ...", file=sys.stderr, flush=True)
         times = interleaved_times(cands, lambda _: None, args.rounds)
-    report(times, shapes)
+    report(times, shapes, calls)
     return 0
 
 
