@@ -240,6 +240,32 @@ def test_positional_masks_are_built_only_when_needed(native_backend_dtype):
     assert plan(backend, dtype, B4, BK4, BK4, window=(3, 0)).builds_mask
 
 
+@pytest.mark.parametrize("term", ["mask", "bias"])
+def test_masks_and_biases_of_fewer_than_two_axes(native_backend, term):
+    """A mask or bias that broadcasts from one axis or none (torch's public kernel indexes
+    its attention mask's axis -2); without axes, the output alone (the kernels that
+    return the log-sum-exp do not take such terms yet)."""
+    rng = np.random.default_rng(3)
+    q, k, v = randn(rng, *Q), randn(rng, *KV), randn(rng, *KV)
+    keys = rng.random(KV[-2]) < 0.7
+    keys[0] = True
+    one_axis = {"mask": keys} if term == "mask" else {"bias": randn(rng, KV[-2])}
+    check_against_oracle(
+        native_backend,
+        "float32",
+        q,
+        k,
+        v,
+        implementation="native",
+        return_weights=False,
+        **one_axis,
+    )
+    if native_backend.library == "jax":
+        pytest.xfail("JAX's delegation takes no mask or bias without axes yet")
+    no_axis = {"mask": np.array(True)} if term == "mask" else {"bias": np.array(0.5)}
+    check_output_only(native_backend, "float32", q, k, v, **no_axis)
+
+
 def test_libraries_without_kernels_refuse(non_native_backend):
     q = non_native_backend.asarray(np.zeros((2, 4, 3)), "float32")
     with pytest.raises(CannotDelegateError, match=f"no kernel for {non_native_backend.library}"):

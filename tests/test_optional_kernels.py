@@ -85,6 +85,12 @@ def test_masks_bias_and_grouped_heads(numpy_backend_dtype, torch_allowed):
     mask = np.random.default_rng(1).random((Q[-2], KV[-2])) < 0.7
     check_against_oracle(backend, dtype, q, k, v, mask=mask, implementation="native")
     check_against_oracle(backend, dtype, q, k, v, bias=bias, implementation="native")
+    check_against_oracle(backend, dtype, q, k, v, bias=bias[0, :], implementation="native")
+    f = sdpa_array.scaled_dot_product_attention
+    xq, xk, xv = (backend.asarray(a, dtype) for a in (q, k, v))
+    scalar = np.float64(0.5)  # a NumPy scalar: read-only, no axis
+    got = f(xq, xk, xv, bias=scalar, implementation="native")
+    np.testing.assert_allclose(got, f(xq, xk, xv, bias=scalar), rtol=2e-3, atol=2e-3)
     q, k, v = arrays(Q_GQA, KV, KV)
     check_against_oracle(backend, dtype, q, k, v, enable_gqa=True, implementation="native")
 
