@@ -37,6 +37,7 @@ from ._api.vjp import scaled_dot_product_attention_vjp
 from ._arrays.merge import merge_attention_states
 from ._arrays.parallel import get_num_threads, set_num_threads
 from ._errors import CannotDelegateError, CannotUseTritonError
+from ._plan.optional_kernels import get_optional_kernels, set_optional_kernels
 from ._problem.block_mask import BlockMask, create_block_mask
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "explain",
     "explain_kv_cache",
     "get_num_threads",
+    "get_optional_kernels",
     "merge_attention_states",
     "mods",
     "multi_head_attention",
@@ -61,6 +63,7 @@ __all__ = [
     "scaled_dot_product_attention_varlen_vjp",
     "scaled_dot_product_attention_vjp",
     "set_num_threads",
+    "set_optional_kernels",
 ]
 
 

@@ -77,6 +77,7 @@ BACKEND_FIXTURES: dict[str, BackendFixture] = {
     "backend": BackendFixture(lambda b: True),
     # the backends of one library, for tests of that library's own features
     "torch_backend": BackendFixture(lambda b: b.library == "torch"),
+    "numpy_backend": BackendFixture(lambda b: b.library == "numpy"),
     "torch_cpu_backend": BackendFixture(lambda b: b.library == "torch" and b.device == "cpu"),
     "jax_backend": BackendFixture(lambda b: b.library == "jax"),
     "autograd_backend": BackendFixture(lambda b: b.library in AUTOGRAD_LIBRARIES),

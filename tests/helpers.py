@@ -187,6 +187,6 @@ def spy_native_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
             return dataclasses.replace(delegation, run=run)
 
-        rows.append(native.NativeKernel(row.kernel, row.library, plan_and_record))
+        rows.append(dataclasses.replace(row, plan=plan_and_record))
     monkeypatch.setattr(native, "NATIVE_KERNELS", tuple(rows))
     return called

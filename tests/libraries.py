@@ -10,8 +10,9 @@ from __future__ import annotations
 from sdpa_array._kernels.native import NATIVE_KERNELS
 from sdpa_array.testing.backends import Backend
 
-#: Libraries with at least one native kernel, from the library's own delegation table.
-NATIVE_LIBRARIES = frozenset(row.library for row in NATIVE_KERNELS)
+#: Libraries with at least one native kernel, from the library's own delegation table (its
+#: optional rows, off by default, aside: ``tests/test_optional_kernels.py``).
+NATIVE_LIBRARIES = frozenset(row.library for row in NATIVE_KERNELS if row.optional is None)
 
 #: Dtypes in which a library's native kernels never compute a call, with the reason their
 #: refusal gives (stated here, not derived: ``tests/test_native.py::test_refused_dtypes``

@@ -26,6 +26,9 @@ What every delegation does the same way (so the kernels' own rules never leak ou
 * rows with no admissible key get zeros and a log-sum-exp of ``-inf`` afterwards, whatever
   the kernel gave (torch < 2.5: NaN; JAX: the mean of the values or NaN); sinks and
   dropout are refused (no kernel has the first, none draws the keep mask's bits);
+* NumPy arrays have one row, off by default: torch's kernels on the same memory
+  (:mod:`~.torch_on_numpy`), tried only once the caller allowed that optional kernel
+  (``sdpa_array.set_optional_kernels("torch")``, the row's ``optional``);
 * ``return_weights`` needs the kernel's log-sum-exp: the weights are then formed once as
   ``exp(scores - lse)`` with the shared score builder (the output and log-sum-exp still
   come from the kernel).
@@ -56,6 +59,7 @@ from .torch_kernels import (
     plan_torch_cuda_lse,
     plan_torch_public,
 )
+from .torch_on_numpy import allowed, numpy_vjp, plan_torch_on_numpy
 
 __all__ = [
     "NATIVE_KERNELS",
@@ -78,6 +82,7 @@ NATIVE_KERNELS: tuple[NativeKernel, ...] = (
     ),
     *(NativeKernel(kernel, "torch", plan_torch_cuda_lse(kernel)) for kernel in CUDA_LSE_KERNELS),
     NativeKernel("jax.nn.dot_product_attention", "jax", plan_jax),
+    NativeKernel("torch's kernels on NumPy memory", "numpy", plan_torch_on_numpy, optional="torch"),
 )
 
 
@@ -90,12 +95,17 @@ def plan_native(p: Problem, req: Request) -> Delegation:
         If none does; the message gives each candidate's reason.
     """
     library = namespace_name(p.xp)
-    candidates = [row for row in NATIVE_KERNELS if row.library == library]
+    rows = [row for row in NATIVE_KERNELS if row.library == library]
+    candidates = [row for row in rows if row.optional is None or row.optional in allowed()]
     if not candidates:
-        known = sorted({row.library for row in NATIVE_KERNELS})
+        known = sorted({row.library for row in NATIVE_KERNELS if row.optional is None})
+        hints = "".join(
+            f"; {row.kernel} once sdpa_array.set_optional_kernels({row.optional!r}) allows them"
+            for row in rows
+        )
         raise CannotDelegateError(
             f"implementation='native' has no kernel for {library} arrays; native kernels "
-            f"exist for {', '.join(known)}"
+            f"exist for {', '.join(known)}{hints}"
         )
     reasons = []
     for row in candidates:
@@ -162,10 +172,19 @@ def _raw_grads(p: Problem, grads: Any) -> RawGrads:
     return RawGrads(dq=dq, dk=dk, dv=dv, dbias=dbias)
 
 
+def _numpy_vjp(p: Problem, x: Inputs, grad_output: Any) -> RawGrads:
+    """NumPy, where torch's kernels on NumPy memory are allowed: torch's backward."""
+    return numpy_vjp(p, x, grad_output, _torch_vjp)
+
+
 _VJP_BY_LIBRARY: dict[str, Callable[[Problem, Inputs, Any], RawGrads]] = {
     "torch": _torch_vjp,
     "jax": _jax_vjp,
+    "numpy": _numpy_vjp,
 }
+
+#: Libraries whose backward is an optional kernel, and the name the caller must allow.
+_VJP_OPTIONAL = {"numpy": "torch"}
 
 
 def plan_native_vjp(p: Problem, x: Inputs) -> Delegation:
@@ -177,10 +196,18 @@ def plan_native_vjp(p: Problem, x: Inputs) -> Delegation:
         For a library without autodiff of its kernels, or a call no native kernel computes.
     """
     library = namespace_name(p.xp)
-    if library not in _VJP_BY_LIBRARY:
+    optional = _VJP_OPTIONAL.get(library)
+    if library not in _VJP_BY_LIBRARY or (optional is not None and optional not in allowed()):
+        known = sorted(name for name in _VJP_BY_LIBRARY if name not in _VJP_OPTIONAL)
+        hint = (
+            f"; torch's backward on NumPy memory once sdpa_array.set_optional_kernels("
+            f"{optional!r}) allows it"
+            if optional
+            else ""
+        )
         raise CannotDelegateError(
             f"implementation='native' has no backward for {library} arrays; it differentiates "
-            f"the native kernels of {', '.join(sorted(_VJP_BY_LIBRARY))}"
+            f"the native kernels of {', '.join(known)}{hint}"
         )
     return plan_native(p, Request(x))
 

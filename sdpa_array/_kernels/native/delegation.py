@@ -122,11 +122,15 @@ class NativeKernel:
         Array library whose arrays it takes (as :func:`namespace_name` spells it).
     plan : callable
         ``plan(problem, request) -> Delegation``; raises :class:`CannotDelegateError`.
+    optional : str or None
+        The optional kernel (``sdpa_array.set_optional_kernels``) the caller must allow for
+        the row to be tried; ``None``: always tried.
     """
 
     kernel: str
     library: str
     plan: Callable[[Problem, Request], Delegation]
+    optional: str | None = None
 
 
 # --- shared, library-independent pieces ---------------------------------------------------

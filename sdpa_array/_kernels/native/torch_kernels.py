@@ -76,6 +76,8 @@ def plan_torch_public(p: Problem, req: Request) -> Delegation:
         merge = req.bias is not None  # one attn_mask argument: fold masks into the bias
         terms = score_terms(p, req.mask, req.bias, merge=merge)
         attn_mask = terms.mask if terms.bias is None else terms.bias
+        if attn_mask is not None and attn_mask.ndim < 2:  # the kernel indexes its -2 axis
+            attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.ndim) + tuple(attn_mask.shape))
         q, k, v = cast(p, req)
         extra = {"enable_gqa": True} if p.grouped else {}
         out = torch.nn.functional.scaled_dot_product_attention(
