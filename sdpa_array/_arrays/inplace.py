@@ -33,6 +33,7 @@ from array_api_compat import (
     is_writeable_array,
 )
 
+from .compat import namespace_name
 from .typing import Array
 
 __all__ = [
@@ -131,21 +132,21 @@ def has_exp2(xp: ModuleType) -> bool:
     return callable(getattr(xp, "exp2", None))
 
 
-def exp2_is_faster(xp: ModuleType, x: Array) -> bool:
-    """Whether to exponentiate arrays like ``x`` (its library and dtype) with ``exp2``.
+def exp2_is_faster(xp: ModuleType, dtype: Any) -> bool:
+    """Whether to exponentiate arrays of the namespace ``xp`` and ``dtype`` with ``exp2``.
 
     A kernel that can take either ``exp`` of its scores or ``exp2`` of its scores times
     ``log2(e)`` asks this. NumPy's speed of the two depends on the CPU features its build
     dispatches to (float32 ``exp2`` is about twice as fast as ``exp`` with AVX-512, about
-    twice as slow with AVX2 alone), so for NumPy arrays both are timed once per dtype in
-    the process (:func:`numpy_exp2_is_faster`) and ``exp2`` is taken where it is clearly
+    twice as slow with AVX2 alone), so for NumPy both are timed once per dtype in the
+    process (:func:`numpy_exp2_is_faster`) and ``exp2`` is taken where it is clearly
     faster. Other libraries with ``exp2`` take it (a GPU's ``exp2`` is its hardware
     instruction and ``exp`` is computed from it); libraries without it take ``exp``.
     """
     if not has_exp2(xp):
         return False
-    if is_numpy_array(x):
-        return numpy_exp2_is_faster(np.dtype(x.dtype).name)
+    if namespace_name(xp) == "numpy":
+        return numpy_exp2_is_faster(np.dtype(dtype).name)
     return True
 
 

@@ -267,7 +267,8 @@ def blocked_attention(
     # exp2 of the scores times log2(e) where that is the faster exponential; the maximum
     # scores are then those scores' maxima over log2(e), except where the scores are not
     # the scaled products
-    if fixed and inplace.exp2_is_faster(xp, ops.q) and not (maxima and ops.terms.changes_scores):
+    base2 = inplace.exp2_is_faster(xp, p.compute_dtype)
+    if fixed and base2 and not (maxima and ops.terms.changes_scores):
         ops = ops.in_base2(in_place=True)  # the operands before are not used again
     slices = {index: ops.at(index) for index in outer}
     items = [(index, block) for index in outer for block in plans[index]]

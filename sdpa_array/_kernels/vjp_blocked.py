@@ -47,6 +47,7 @@ from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem
 from .blocked import blocked_attention
 from .gradients import BackwardOperands, prepare_backward, sink_gradient, tile_gradients
+from .key_rows import KeyRows, covering
 from .layout import concat, sum_to_shape
 from .operands import prepare
 from .restrictions import TileKind
@@ -82,8 +83,9 @@ class _Acc(dict[Any, Array]):
 class _Sums:
     """Gradient pieces summed so far, by key.
 
-    ``dq`` maps ``(index, block start)`` to rows of ``dQ``; ``dk`` and ``dv`` map
-    ``index`` to the gradient of all the keys (an item's own sums: ``None``); ``bias`` maps
+    ``dq`` maps ``(index, block start)`` to rows of ``dQ``; ``dk`` and ``dv`` hold an
+    item's rows of the keys' gradients by key range (:class:`~.key_rows.KeyRows`), and
+    ``key_grads`` the items' sums of both, ``index -> (dK rows, dV rows)``; ``bias`` maps
     ``(index, row key, column key)`` (``None`` along a broadcast axis) to a piece of
     ``dBias``. Each ``index`` is the batch index as the gradient's own array sees it (its
     size-1 axes broadcast). ``tables`` maps the position of each of the mods' parameters
@@ -91,8 +93,9 @@ class _Sums:
     """
 
     dq: _Acc = field(default_factory=_Acc)
-    dk: _Acc = field(default_factory=_Acc)
-    dv: _Acc = field(default_factory=_Acc)
+    dk: KeyRows = field(default_factory=KeyRows)
+    dv: KeyRows = field(default_factory=KeyRows)
+    key_grads: dict[Index, tuple[KeyRows, KeyRows]] = field(default_factory=dict)
     bias: _Acc = field(default_factory=_Acc)
     sink: _Acc = field(default_factory=_Acc)
     tables: _Acc = field(default_factory=_Acc)
@@ -109,24 +112,6 @@ def _add(acc: _Acc, key: Any, x: Array) -> None:
     else:
         acc[key] = acc[key] + x
         acc.owned.add(key)
-
-
-def _add_keys(p: Problem, acc: _Acc, x: Array, start: int, stop: int) -> None:
-    """``acc[None][..., start:stop, :] += x``: ``acc[None]`` is an item's gradient of all
-    ``S`` keys (``dK`` or ``dV``), zeros where no tile added. A tile of every key is added
-    as :func:`_add` adds; another into its rows of the sum, made (zeros) where there is
-    none yet: one addition per tile."""
-    if (start, stop) == (0, p.S):
-        _add(acc, None, x)
-        return
-    if None not in acc.owned:
-        shape = (*tuple(x.shape[:-2]), p.S, int(x.shape[-1]))
-        whole = p.xp.zeros(shape, dtype=x.dtype, device=p.device)
-        if None in acc:  # a tile of every key, kept as it is
-            whole = inplace.add(whole, acc[None])
-        acc[None] = whole
-        acc.owned.add(None)
-    acc[None] = inplace.add_rows(p.xp, acc[None], start, stop, x)
 
 
 def _grid_pieces(plan: BackwardPlan, a: int, b: int) -> list[tuple[int, slice]]:
@@ -163,8 +148,8 @@ def _query_block(
             _add(sums.sink, None, sum_to_shape(xp, t.dsink, tuple(ops.terms.sink.shape)))
         dk = sum_to_shape(xp, t.dk, (*lead_k, z - a, p.E))
         dv = sum_to_shape(xp, t.dv, (*lead_v, z - a, p.Ev))
-        _add_keys(p, sums.dk, dk, a, z)
-        _add_keys(p, sums.dv, dv, a, z)
+        sums.dk.add(xp, dk, a, z, p.S)
+        sums.dv.add(xp, dv, a, z, p.S)
         if t.dz is not None:
             dz = sum_to_shape(xp, t.dz, tuple(tile_of(bias, rows, cols).shape))
             row_key = block.start if bias.shape[-2] != 1 else None
@@ -181,12 +166,17 @@ def _item(
     b: BackwardOperands,
     blocks: tuple[BackwardBlock, ...],
     fixed: bool,
+    dq: Any = None,
 ) -> _Sums:
-    """Gradient contributions of some query blocks of one batch slice ``b``."""
+    """Gradient contributions of some query blocks of one batch slice ``b``; ``dq``: where
+    given, ``dq(block, rows)`` takes each block's rows of ``dQ`` (``None``: zeros) instead
+    of the sums."""
     sums = _Sums()
     for block in blocks:
         if block.tiles:
             _query_block(p, plan, b, block, sums, fixed)
+        if dq is not None:
+            dq(block, sums.dq.pop(block.start, None))
     return sums
 
 
@@ -207,7 +197,9 @@ def _index_in(x: Array, index: Index) -> Index:
     return tuple(i if n != 1 else 0 for i, n in zip(index, x.shape, strict=False))
 
 
-def _sum_items(b: BackwardOperands, items: list[tuple[Index, Any]], results: list[_Sums]) -> _Sums:
+def _sum_items(
+    p: Problem, b: BackwardOperands, items: list[tuple[Index, Any]], results: list[_Sums]
+) -> _Sums:
     """Add the items' sums, keyed by the batch index each gradient's array sees."""
     total = _Sums()
     ops = b.ops
@@ -215,10 +207,8 @@ def _sum_items(b: BackwardOperands, items: list[tuple[Index, Any]], results: lis
         for start, dq in r.dq.items():
             total.dq[index, start] = dq
         k_index, v_index = _index_in(ops.k, index), _index_in(ops.v, index)
-        for dk in r.dk.values():
-            _add(total.dk, k_index, dk)
-        for dv in r.dv.values():
-            _add(total.dv, v_index, dv)
+        total.key_grads.setdefault(k_index, (KeyRows(), KeyRows()))[0].merge(p.xp, r.dk, p.S)
+        total.key_grads.setdefault(v_index, (KeyRows(), KeyRows()))[1].merge(p.xp, r.dv, p.S)
         b_index = _index_in(ops.terms.bias, index) if ops.terms.bias is not None else ()
         for (row_key, col_key), dz in r.bias.items():
             _add(total.bias, (b_index, row_key, col_key), dz)
@@ -284,6 +274,23 @@ class _Assembly:
                 out[at] = 0.0 if piece is None else piece
         return out
 
+    def query_target(self, b: BackwardOperands) -> Array | None:
+        """A new ``dQ`` in the padded query layout that the items fill block by block
+        (:meth:`put_query`), or ``None`` where the library does not allow it
+        (:func:`~sdpa_array._arrays.inplace.fillable`; the sums are then put together by
+        :meth:`query`)."""
+        p, ops = self.p, b.ops
+        shape = (*tuple(b.d_out.shape)[:-1], p.E)
+        arrays = (b.d_out, ops.q, ops.k, ops.v, b.out, b.lse, b.grad_lse)
+        terms = (ops.terms.bias, ops.terms.sink)
+        operands = [a for a in (*arrays, *terms) if a is not None]
+        return inplace.fillable(p.xp, shape, p.compute_dtype, p.device, *operands)
+
+    def put_query(self, dq: Array, index: Index, block: BackwardBlock, rows: Array) -> None:
+        """Write one query block's rows of ``dQ`` (``None``: zeros) at the outer ``index``."""
+        at = (*index, Ellipsis, slice(block.start, block.stop), slice(None))
+        dq[at] = 0.0 if rows is None else rows
+
     def query(self, acc: dict[Any, Array], like: Array) -> Array:
         """``dQ`` in the padded query layout of the full batch."""
         blocks = self.plan.blocks
@@ -305,16 +312,26 @@ class _Assembly:
             ),
         )
 
-    def key_value(self, acc: dict[Any, Array], like: Array, features: int) -> Array:
-        """``dK`` or ``dV`` in ``like``'s padded shape (GQA: without the group axis)."""
+    def key_value(self, acc: dict[Index, KeyRows], like: Array, features: int) -> Array:
+        """``dK`` or ``dV`` in ``like``'s padded shape (GQA: without the group axis) from
+        each outer index's rows by key range; keys no piece holds are zeros."""
         lead, S = (-3 if self.p.grouped else -2), self.p.S
-        filled = self.rows_into(like, lambda index: [(index, 0, S)], acc, features, lead)
+        flat = {(index, r): x for index, rows in acc.items() for r, x in rows.items()}
+
+        def pieces(index: Index) -> list[tuple[Any, int, int]]:
+            return [
+                (None if r is None else (index, r), a, b) for r, a, b in covering(acc.get(index), S)
+            ]
+
+        filled = self.rows_into(like, pieces, flat, features, lead)
         if filled is not None:
             return filled
         return self.stack(
             like,
             lambda index, shape: self.concat(
-                [acc.get(index)], [(*shape[:lead], S, features)], axis=-2
+                [flat.get(key) for key, _, _ in pieces(index)],
+                [(*shape[:lead], b - a, features) for _, a, b in pieces(index)],
+                axis=-2,
             ),
         )
 
@@ -411,15 +428,23 @@ def blocked_vjp(
     parts = {index: b.at(index) for index in slices}
     # tiles holding whole rows take their own softmax: a fixed reference where it is safe
     fixed = b.lse is None and not plans_for_gpu(p) and fixed_reference(p, ops, bound)
-    results = map_blocks(p.xp, lambda item: _item(p, plan, parts[item[0]], item[1], fixed), items)
-    sums = _sum_items(b, items, results)
+    asm = _Assembly(p, plan, split)
+    # where the library allows, each item writes its rows of dQ into the result
+    dq = asm.query_target(b)
+
+    def run(item: tuple[Index, tuple[BackwardBlock, ...]]) -> _Sums:
+        index, blocks = item
+        put = None if dq is None else lambda block, rows: asm.put_query(dq, index, block, rows)
+        return _item(p, plan, parts[index], blocks, fixed, put)
+
+    results = map_blocks(p.xp, run, items)
+    sums = _sum_items(p, b, items, results)
     del results
 
-    asm = _Assembly(p, plan, split)
     return RawGrads(
-        dq=asm.query(sums.dq, b.d_out),
-        dk=asm.key_value(sums.dk, ops.k, p.E),
-        dv=asm.key_value(sums.dv, ops.v, p.Ev),
+        dq=asm.query(sums.dq, b.d_out) if dq is None else dq,
+        dk=asm.key_value({i: g[0] for i, g in sums.key_grads.items()}, ops.k, p.E),
+        dv=asm.key_value({i: g[1] for i, g in sums.key_grads.items()}, ops.v, p.Ev),
         dbias=None if ops.terms.bias is None else asm.bias(sums.bias, ops.terms.bias),
         dsinks=_sink_gradient(p, b, asm, sums),
         dtables=tuple(sums.tables[i] for i in sorted(sums.tables)) or None,
