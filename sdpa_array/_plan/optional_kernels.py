@@ -49,6 +49,11 @@ def set_optional_kernels(*names: str) -> None:
 def get_optional_kernels() -> tuple[str, ...]:
     """The optional kernels :func:`set_optional_kernels` allowed, sorted.
 
+    Returns
+    -------
+    tuple of str
+        The allowed kernels' names (``"torch"``), empty when none is allowed.
+
     Examples
     --------
     >>> import sdpa_array
