@@ -1,4 +1,5 @@
-"""``explain()`` reports the blocked forward's tiles: visited (full, partial) and skipped.
+"""``explain()`` reports the blocked forward's and backward's tiles: visited (full,
+partial) and skipped.
 
 Each report is checked against the admissible pairs computed here, densely, from the
 restrictions' definitions: a skipped tile holds no admissible pair, the computed share is
@@ -96,3 +97,87 @@ def test_other_implementations_report_no_tiles():
     q = np.zeros((1, 1, 16, 8), np.float32)
     assert sa.explain(q, q, q, implementation="materialized").forward_tiles is None
     assert "tiles" not in str(sa.explain(q, q, q, implementation="materialized"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 96), min_size=1, max_size=6),
+    causal=st.booleans(),
+    blocks=st.sampled_from([(None, None), (16, 16), (32, 16), (16, 64), (64, 32)]),
+    heads=st.integers(1, 3),
+)
+def test_the_backward_skips_no_block_with_an_admissible_pair(lengths, causal, blocks, heads):
+    seg = np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
+    n = len(seg)
+    q = np.zeros((1, heads, n, 8), np.float32)
+    bq, bk = blocks
+    tiles = sa.explain(
+        q, q, q, segment_ids=(seg[None], seg[None]), is_causal=causal,
+        implementation="blocked", block_q=bq, block_k=bk,
+    ).vjp_tiles  # fmt: skip
+    assert tiles is not None
+    assert 0 < tiles.width <= n
+    allowed = _admissible(seg, seg, causal)
+    blocks_each = math.ceil(n / tiles.block_q) * math.ceil(n / tiles.grid)
+    assert tiles.blocks == heads * blocks_each
+    with_pairs = _cells_with_pairs(allowed, tiles.block_q, tiles.grid)  # the backward's unit
+    assert tiles.skipped <= heads * (blocks_each - with_pairs)
+    assert allowed.mean() - 1e-12 <= tiles.fraction <= 1.0
+    assert tiles.full + tiles.partial >= 1
+
+
+@pytest.mark.parametrize(("docs", "size"), [(8, 512), (16, 256), (4, 1024)])
+@pytest.mark.parametrize("how", ["mask_mod", "segment_ids"])
+def test_the_backward_of_block_aligned_documents_computes_only_their_pairs(docs, size, how):
+    seg = np.repeat(np.arange(docs), size).astype(np.int32)
+    q = np.zeros((1, 2, docs * size, 8), np.float32)
+    options = (
+        {"mask_mod": mods.document(seg, seg)} if how == "mask_mod"
+        else {"segment_ids": (seg[None], seg[None])}
+    )  # fmt: skip
+    for blocks in ({}, {"block_q": 256, "block_k": 256}):
+        tiles = sa.explain(q, q, q, implementation="blocked", **blocks, **options).vjp_tiles
+        assert tiles is not None
+        assert tiles.partial == 0
+        assert tiles.fraction == pytest.approx(1 / docs)
+        per_document = (size // tiles.block_q) * (size // tiles.grid)
+        assert tiles.skipped == tiles.blocks - 2 * docs * per_document
+    assert "blocks skipped" in str(sa.explain(q, q, q, implementation="blocked", **options))
+
+
+def test_the_backward_visits_the_tiles_it_reports(monkeypatch):
+    """The kernel's own tile calls, counted, are the visited tiles of the report (one batch
+    element, so each visited tile is one call)."""
+    from sdpa_array._kernels import vjp_blocked
+
+    calls: list[tuple[int, int, int, int]] = []
+    real = vjp_blocked.tile_gradients
+
+    def counted(p, ops, r, rows, cols, **kw):
+        calls.append((rows.start, rows.stop, cols.start, cols.stop))
+        return real(p, ops, r, rows, cols, **kw)
+
+    monkeypatch.setattr(vjp_blocked, "tile_gradients", counted)
+    lengths = [300, 40, 700, 100]
+    seg = np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal((1, 1, len(seg), 8), dtype=np.float32) for _ in range(4))
+    for causal in (False, True):
+        options = {"segment_ids": (seg[None], seg[None]), "is_causal": causal}
+        tiles = sa.explain(q, k, v, implementation="blocked", **options).vjp_tiles
+        assert tiles is not None
+        calls.clear()
+        sa.scaled_dot_product_attention_vjp(q, k, v, g, implementation="blocked", **options)
+        assert calls
+        assert len(calls) == tiles.full + tiles.partial
+        area = sum((b - a) * (d - c) for a, b, c, d in calls)
+        assert area / len(seg) ** 2 == pytest.approx(tiles.fraction)
+
+
+def test_the_backward_of_an_unrestricted_call_visits_every_block_unmasked():
+    q = np.zeros((2, 3, 300, 8), np.float32)
+    tiles = sa.explain(q, q, q, implementation="blocked", block_q=64, block_k=128).vjp_tiles
+    assert tiles is not None
+    assert (tiles.skipped, tiles.partial, tiles.fraction) == (0, 0, 1.0)
+    assert tiles.blocks == tiles.full == 6 * 5 * 3
+    assert sa.explain(q, q, q, implementation="materialized").vjp_tiles is None

@@ -10,7 +10,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._arrays.typing import Array
-from .._plan.plan import TileSummary, native_vjp_kernel, plan_forward, plan_vjp, tiles_of
+from .._plan.plan import (
+    BackwardTileSummary,
+    TileSummary,
+    backward_tiles_of,
+    native_vjp_kernel,
+    plan_forward,
+    plan_vjp,
+    tiles_of,
+)
 from .._problem.options import Options
 from .._problem.outputs import Outputs
 from .layout import check_layout, swap_heads_and_length
@@ -45,6 +53,9 @@ class Explanation:
         For a blocked forward: its block sizes and how many tiles of the score matrices it
         visits (full, or with a mask) and skips, with the share of the scores it computes
         (as FlexAttention's ``BlockMask`` prints its sparsity); ``None`` otherwise.
+    vjp_tiles : BackwardTileSummary or None
+        The same for a blocked VJP: its query rows per tile, its key tiles (runs of key
+        grid blocks), the tiles it visits and the blocks it skips; ``None`` otherwise.
 
     Examples
     --------
@@ -66,16 +77,17 @@ class Explanation:
     forward_fused: bool = False
     vjp_fused: bool = False
     forward_tiles: TileSummary | None = None
+    vjp_tiles: BackwardTileSummary | None = None
 
     def __str__(self) -> str:
         lines = []
-        for what, name, kernel, why in (
-            ("forward", self.forward, self.forward_kernel, self.forward_why),
-            ("vjp", self.vjp, self.vjp_kernel, self.vjp_why),
+        for what, name, kernel, why, tiles in (
+            ("forward", self.forward, self.forward_kernel, self.forward_why, self.forward_tiles),
+            ("vjp", self.vjp, self.vjp_kernel, self.vjp_why, self.vjp_tiles),
         ):
             lines.append(f"{what}: {name}" + (f" ({kernel})" if kernel else ""))
-            if what == "forward" and self.forward_tiles is not None:
-                lines.append(f"  {self.forward_tiles}")
+            if tiles is not None:
+                lines.append(f"  {tiles}")
             lines.extend(f"  passed over: {reason}" for reason in why)
         return "\n".join(lines)
 
@@ -140,9 +152,10 @@ def explain(
     plan = plan_forward(query, key, value, given, outputs, implementation, blocks)
     p, x, forward = plan.problem, plan.inputs, plan.choice
     try:
-        vjp = plan_vjp(query, key, value, given, implementation, blocks, problem=p).choice
+        planned_vjp = plan_vjp(query, key, value, given, implementation, blocks, problem=p)
     except ValueError:  # an implementation the VJP lacks, or one that refuses it
-        vjp = plan_vjp(query, key, value, given, "auto", (None, None), problem=p).choice
+        planned_vjp = plan_vjp(query, key, value, given, "auto", (None, None), problem=p)
+    vjp = planned_vjp.choice
     return Explanation(
         forward=forward.name,
         vjp=vjp.name,
@@ -154,6 +167,7 @@ def explain(
         forward_fused=_fused(forward.name, p.on_gpu),
         vjp_fused=_fused(vjp.name, p.on_gpu),
         forward_tiles=tiles_of(plan),
+        vjp_tiles=backward_tiles_of(planned_vjp),
     )
 
 

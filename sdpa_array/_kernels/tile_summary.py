@@ -1,11 +1,14 @@
-"""How many tiles the blocked forward visits and skips, for :func:`sdpa_array.explain`.
+"""How many tiles the blocked forward and backward visit and skip, for
+:func:`sdpa_array.explain`.
 
 The blocked kernel cuts the score matrix of each batch element and head into a grid of
 ``block_q x block_k`` tiles and visits only those its restrictions (causal band, window,
 lengths, segments, a ``mask_mod``'s block structure) do not exclude: a *full* tile takes
 the unmasked products, a *partial* one a mask. This counts them from the same plan the
 kernel makes (:func:`~sdpa_array._kernels.tiling.plan_blocks`), as FlexAttention's
-``BlockMask`` prints its sparsity, so that a call's cost can be read before it runs.
+``BlockMask`` prints its sparsity, so that a call's cost can be read before it runs. The
+backward's tiles are runs of key grid blocks (:func:`~sdpa_array._kernels.tiling.plan_backward`)
+and are counted from its plan in the same way.
 """
 
 from __future__ import annotations
@@ -16,9 +19,17 @@ from dataclasses import dataclass
 
 from .._problem.problem import Inputs, Problem
 from .operands import prepare
-from .tiling import QueryBlock, block_scores, choose_block_sizes, plan_blocks, plans_for_gpu
+from .restrictions import Restrictions, TileKind
+from .tiling import (
+    QueryBlock,
+    block_scores,
+    choose_block_sizes,
+    plan_backward,
+    plan_blocks,
+    plans_for_gpu,
+)
 
-__all__ = ["TileSummary", "summarize_tiles"]
+__all__ = ["BackwardTileSummary", "TileSummary", "summarize_backward_tiles", "summarize_tiles"]
 
 
 @dataclass(frozen=True)
@@ -100,3 +111,79 @@ def summarize_tiles(
     grid = elements * math.ceil(p.L / bq) * math.ceil(p.S / bk)
     fraction = scores / (elements * p.L * p.S) if p.L and p.S else 0.0
     return TileSummary(bq, bk, grid, full, partial, grid - touched, fraction)
+
+
+@dataclass(frozen=True)
+class BackwardTileSummary:
+    """The tiles of a blocked backward call, over every batch element and head.
+
+    Attributes
+    ----------
+    block_q : int
+        Query rows per tile.
+    grid, width : int
+        The key grid's block length and the widest tile visited: a tile is a run of grid
+        blocks.
+    blocks : int
+        Blocks of ``block_q x grid`` in the whole score matrices.
+    full, partial : int
+        Tiles visited without a mask and with one.
+    skipped : int
+        Blocks of ``block_q x grid`` that no visited tile reads.
+    fraction : float
+        The share of the score matrices' pairs that the visited tiles compute (1.0: all).
+    """
+
+    block_q: int
+    grid: int
+    width: int
+    blocks: int
+    full: int
+    partial: int
+    skipped: int
+    fraction: float
+
+    def __str__(self) -> str:
+        return (
+            f"tiles of {self.block_q} rows and up to {self.width} keys: {self.full} full and "
+            f"{self.partial} partial visited, {self.skipped} of {self.blocks} "
+            f"{self.block_q}x{self.grid} blocks skipped; {self.fraction:.1%} of the scores "
+            "computed"
+        )
+
+
+def summarize_backward_tiles(
+    p: Problem, x: Inputs, block_q: int | None = None, block_k: int | None = None
+) -> BackwardTileSummary:
+    """The tiles the blocked backward visits for the call ``(p, x)`` with these block sizes:
+    its plan's tiles, less those a sequence's own restrictions exclude (as the kernel
+    skips them, batch slice by batch slice). Only the restrictions are read."""
+    restrictions = prepare(p, x).restrictions
+    plan = plan_backward(p, restrictions, block_q, block_k)
+    elements = math.prod(p.kernel_batch)
+    each: list[tuple[Restrictions, int]] = [(restrictions, elements)]
+    if restrictions.per_sequence:
+        shape = p.sequence_batch if restrictions.same_for_every_head else p.kernel_batch
+        indices = list(itertools.product(*map(range, shape)))
+        each = [(restrictions.at(i), elements // max(len(indices), 1)) for i in indices]
+    full = partial = scores = touched = width = 0
+    for r, times in each:
+        cells: set[tuple[int, int]] = set()
+        for block in plan.blocks:
+            rows = slice(block.start, block.stop)
+            for a, z in block.tiles:
+                kind = r.classify(rows, slice(a, z))
+                if kind is TileKind.EMPTY:
+                    continue
+                full += times * (kind is TileKind.FULL)
+                partial += times * (kind is not TileKind.FULL)
+                scores += times * (block.stop - block.start) * (z - a)
+                width = max(width, z - a)
+                cells.update((block.start, c) for c in range(a, z, plan.grid))
+        touched += times * len(cells)
+    grid_blocks = elements * len(plan.blocks) * math.ceil(p.S / plan.grid)
+    fraction = scores / (elements * p.L * p.S) if p.L and p.S else 0.0
+    return BackwardTileSummary(
+        plan.block_q, plan.grid, width, grid_blocks, full, partial,
+        grid_blocks - touched, fraction,
+    )  # fmt: skip

@@ -12,14 +12,28 @@ from dataclasses import dataclass
 
 from .._arrays.typing import Array
 from .._kernels.native import Request, plan_native, plan_native_vjp
-from .._kernels.tile_summary import TileSummary, summarize_tiles
+from .._kernels.tile_summary import (
+    BackwardTileSummary,
+    TileSummary,
+    summarize_backward_tiles,
+    summarize_tiles,
+)
 from .._problem.options import Options
 from .._problem.outputs import Outputs
 from .._problem.problem import Inputs, Problem, validate
 from . import cache
 from .dispatch import Choice, choose
 
-__all__ = ["Plan", "TileSummary", "native_vjp_kernel", "plan_forward", "plan_vjp", "tiles_of"]
+__all__ = [
+    "BackwardTileSummary",
+    "Plan",
+    "TileSummary",
+    "backward_tiles_of",
+    "native_vjp_kernel",
+    "plan_forward",
+    "plan_vjp",
+    "tiles_of",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,3 +128,12 @@ def tiles_of(plan: Plan) -> TileSummary | None:
     if plan.choice.name != "blocked" or plan.empty:
         return None
     return summarize_tiles(plan.problem, plan.inputs, plan.choice.block_q, plan.choice.block_k)
+
+
+def backward_tiles_of(plan: Plan) -> BackwardTileSummary | None:
+    """The tiles a VJP plan's blocked kernel visits and skips; ``None`` for another
+    implementation or an empty call."""
+    if plan.choice.name != "blocked" or plan.empty:
+        return None
+    p, x, choice = plan.problem, plan.inputs, plan.choice
+    return summarize_backward_tiles(p, x, choice.block_q, choice.block_k)
