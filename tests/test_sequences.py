@@ -23,6 +23,7 @@ import pytest
 import sdpa_array
 from sdpa_array._kernels.native import Request, plan_native
 from sdpa_array._kernels.operands import prepare
+from sdpa_array._kernels.restrictions import TileKind
 from sdpa_array._kernels.tiling import plan_blocks
 from sdpa_array._problem.options import Options
 from sdpa_array._problem.problem import Inputs, validate
@@ -418,3 +419,20 @@ def test_lengths_of_another_library():
     q, k, v, _ = _arrays(sdpa_array.testing.get_backend("numpy"), "float32")
     with pytest.raises(TypeError, match=r"key_lengths must be an int, a NumPy array or an array"):
         sdpa_array.scaled_dot_product_attention(q, k, v, key_lengths=strict.asarray([1, 2, 3]))
+
+
+def test_segment_ids_of_a_sequences_heads_are_one_object_with_that_sequences_tiles():
+    """The backward classifies its tiles per batch slice: the heads of one sequence share
+    one restriction object (found once), and each sequence keeps its own segments."""
+    seg = np.array([[0] * 6 + [1] * 10, [0] * 12 + [1] * 4], dtype=np.int32)
+    q = np.zeros((2, 3, 16, 4), np.float32)
+    options = Options(segment_ids=(seg, seg))
+    p = validate(q, q, q, options)
+    r = prepare(p, Inputs.of(q, q, q, options, p)).restrictions
+    (ids,) = r.members
+    assert ids.at((0, 0)) is ids.at((0, 2))
+    assert ids.at((0, 0)) is not ids.at((1, 0))
+    tile = (slice(0, 6), slice(6, 12))  # the first sequence's segment 0 and segment 1
+    assert r.at((0, 1)).classify(*tile) is TileKind.EMPTY
+    assert r.at((1, 1)).classify(*tile) is TileKind.FULL  # all of segment 0 there
+    assert r.at((1, 2)).classify(slice(8, 16), slice(0, 8)) is TileKind.PARTIAL

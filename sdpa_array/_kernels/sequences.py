@@ -255,14 +255,32 @@ class SegmentIds:
         k = self.k[..., :, cols] if self.k.shape[-1] != 1 else self.k
         return q == k
 
+    @functools.cached_property
+    def _slices(self) -> dict[Any, SegmentIds]:
+        """The batch slices made so far (:meth:`at`), by the entries they hold."""
+        return {}
+
     def at(self, index: tuple[int, ...]) -> SegmentIds:
-        return replace(
-            self,
-            q=at_batch(self.q, index),
-            k=at_batch(self.k, index),
-            q_host=at_batch(self.q_host, index),
-            k_host=at_batch(self.k_host, index),
+        """The ids of the batch slice ``index``: one object for the indices that hold the
+        same entries (the heads of a sequence), so that what it finds (the ids of a range of
+        queries, the keys every sequence has in a segment) is found once for all of them."""
+        arrays = (self.q, self.k, self.q_host, self.k_host)
+        entries = tuple(
+            None
+            if a is None
+            else tuple(i if n != 1 else 0 for i, n in zip(index, a.shape, strict=False))
+            for a in arrays
         )
+        found = self._slices.get((len(index), entries))
+        if found is None:
+            found = self._slices[len(index), entries] = replace(
+                self,
+                q=at_batch(self.q, index),
+                k=at_batch(self.k, index),
+                q_host=at_batch(self.q_host, index),
+                k_host=at_batch(self.k_host, index),
+            )
+        return found
 
 
 def sequence_members(p: Problem) -> tuple[list[Restriction], bool]:
