@@ -38,6 +38,22 @@ def _cells_with_pairs(allowed: np.ndarray, bq: int, bk: int) -> int:
     )
 
 
+def _explained_segments(
+    lengths: list[int], causal: bool, blocks: tuple[int | None, int | None], heads: int
+) -> tuple[np.ndarray, int, sa.Explanation]:
+    """Segment ids of documents of ``lengths``, their total and ``explain()`` of a blocked
+    call of ``heads`` heads restricted to them."""
+    seg = np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
+    n = len(seg)
+    q = np.zeros((1, heads, n, 8), np.float32)
+    bq, bk = blocks
+    explained = sa.explain(
+        q, q, q, segment_ids=(seg[None], seg[None]), is_causal=causal,
+        implementation="blocked", block_q=bq, block_k=bk,
+    )  # fmt: skip
+    return seg, n, explained
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 96), min_size=1, max_size=6),
@@ -46,14 +62,9 @@ def _cells_with_pairs(allowed: np.ndarray, bq: int, bk: int) -> int:
     heads=st.integers(1, 3),
 )
 def test_skipped_tiles_hold_no_admissible_pair(lengths, causal, blocks, heads):
-    seg = np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
-    n = len(seg)
-    q = np.zeros((1, heads, n, 8), np.float32)
+    seg, n, explained = _explained_segments(lengths, causal, blocks, heads)
+    tiles = explained.forward_tiles
     bq, bk = blocks
-    tiles = sa.explain(
-        q, q, q, segment_ids=(seg[None], seg[None]), is_causal=causal,
-        implementation="blocked", block_q=bq, block_k=bk,
-    ).forward_tiles  # fmt: skip
     assert tiles is not None
     assert tiles.block_q <= bq  # at most the query and key lengths
     assert tiles.block_k <= bk
@@ -67,15 +78,20 @@ def test_skipped_tiles_hold_no_admissible_pair(lengths, causal, blocks, heads):
     assert tiles.full + tiles.partial >= 1
 
 
+def _documents(docs: int, size: int, how: str) -> tuple[np.ndarray, dict]:
+    """Queries of two heads for ``docs`` packed documents of ``size`` tokens, and the
+    options that restrict them to their documents ``how`` (``mask_mod`` or ``segment_ids``)."""
+    seg = np.repeat(np.arange(docs), size).astype(np.int32)
+    q = np.zeros((1, 2, docs * size, 8), np.float32)
+    if how == "mask_mod":
+        return q, {"mask_mod": mods.document(seg, seg)}
+    return q, {"segment_ids": (seg[None], seg[None])}
+
+
 @pytest.mark.parametrize(("docs", "size"), [(8, 512), (16, 256), (4, 1024)])
 @pytest.mark.parametrize("how", ["mask_mod", "segment_ids"])
 def test_block_aligned_documents_compute_only_their_pairs(docs, size, how):
-    seg = np.repeat(np.arange(docs), size).astype(np.int32)
-    q = np.zeros((1, 2, docs * size, 8), np.float32)
-    options = (
-        {"mask_mod": mods.document(seg, seg)} if how == "mask_mod"
-        else {"segment_ids": (seg[None], seg[None])}
-    )  # fmt: skip
+    q, options = _documents(docs, size, how)
     tiles = sa.explain(q, q, q, implementation="blocked", block_q=256, block_k=256, **options)
     tiles = tiles.forward_tiles
     assert tiles is not None
@@ -107,14 +123,8 @@ def test_other_implementations_report_no_tiles():
     heads=st.integers(1, 3),
 )
 def test_the_backward_skips_no_block_with_an_admissible_pair(lengths, causal, blocks, heads):
-    seg = np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
-    n = len(seg)
-    q = np.zeros((1, heads, n, 8), np.float32)
-    bq, bk = blocks
-    tiles = sa.explain(
-        q, q, q, segment_ids=(seg[None], seg[None]), is_causal=causal,
-        implementation="blocked", block_q=bq, block_k=bk,
-    ).vjp_tiles  # fmt: skip
+    seg, n, explained = _explained_segments(lengths, causal, blocks, heads)
+    tiles = explained.vjp_tiles
     assert tiles is not None
     assert 0 < tiles.width <= n
     allowed = _admissible(seg, seg, causal)
@@ -129,12 +139,7 @@ def test_the_backward_skips_no_block_with_an_admissible_pair(lengths, causal, bl
 @pytest.mark.parametrize(("docs", "size"), [(8, 512), (16, 256), (4, 1024)])
 @pytest.mark.parametrize("how", ["mask_mod", "segment_ids"])
 def test_the_backward_of_block_aligned_documents_computes_only_their_pairs(docs, size, how):
-    seg = np.repeat(np.arange(docs), size).astype(np.int32)
-    q = np.zeros((1, 2, docs * size, 8), np.float32)
-    options = (
-        {"mask_mod": mods.document(seg, seg)} if how == "mask_mod"
-        else {"segment_ids": (seg[None], seg[None])}
-    )  # fmt: skip
+    q, options = _documents(docs, size, how)
     for blocks in ({}, {"block_q": 256, "block_k": 256}):
         tiles = sa.explain(q, q, q, implementation="blocked", **blocks, **options).vjp_tiles
         assert tiles is not None

@@ -68,6 +68,18 @@ class TileSummary:
         )
 
 
+def _each_sequence(p: Problem, restrictions: Restrictions) -> list[tuple[Restrictions, int]]:
+    """The restrictions as the kernels plan or classify them, each with the batch elements
+    and heads it stands for: each sequence's own (each head's, unless every head admits the
+    same pairs) where they are per sequence, else the call's for all of them."""
+    elements = math.prod(p.kernel_batch)
+    if not restrictions.per_sequence:
+        return [(restrictions, elements)]
+    shape = p.sequence_batch if restrictions.same_for_every_head else p.kernel_batch
+    indices = list(itertools.product(*map(range, shape)))
+    return [(restrictions.at(i), elements // max(len(indices), 1)) for i in indices]
+
+
 def summarize_tiles(
     p: Problem, x: Inputs, block_q: int | None = None, block_k: int | None = None
 ) -> TileSummary:
@@ -80,19 +92,11 @@ def summarize_tiles(
     bq, bk = choose_block_sizes(p, block_q, block_k)
     restrictions = prepare(p, x).restrictions
     cut = not plans_for_gpu(p)
-    batch = p.kernel_batch
-    elements = math.prod(batch)
-    plans: list[tuple[list[QueryBlock], int]] = []
-    if restrictions.per_sequence:
-        heads_alike = restrictions.same_for_every_head
-        shape = p.sequence_batch if heads_alike else batch
-        indices = list(itertools.product(*map(range, shape)))
-        each = elements // max(len(indices), 1)
-        for index in indices:
-            at = restrictions.at(index)
-            plans.append((plan_blocks(at, bq, bk, cut_rows=cut, narrow_rows=cut), each))
-    else:
-        plans.append((plan_blocks(restrictions, bq, bk, cut_rows=cut, narrow_rows=cut), elements))
+    elements = math.prod(p.kernel_batch)
+    plans: list[tuple[list[QueryBlock], int]] = [
+        (plan_blocks(r, bq, bk, cut_rows=cut, narrow_rows=cut), times)
+        for r, times in _each_sequence(p, restrictions)
+    ]
     full = partial = scores = touched = 0
     for blocks, times in plans:
         cells: set[tuple[int, int]] = set()
@@ -161,13 +165,8 @@ def summarize_backward_tiles(
     restrictions = prepare(p, x).restrictions
     plan = plan_backward(p, restrictions, block_q, block_k)
     elements = math.prod(p.kernel_batch)
-    each: list[tuple[Restrictions, int]] = [(restrictions, elements)]
-    if restrictions.per_sequence:
-        shape = p.sequence_batch if restrictions.same_for_every_head else p.kernel_batch
-        indices = list(itertools.product(*map(range, shape)))
-        each = [(restrictions.at(i), elements // max(len(indices), 1)) for i in indices]
     full = partial = scores = touched = width = 0
-    for r, times in each:
+    for r, times in _each_sequence(p, restrictions):
         cells: set[tuple[int, int]] = set()
         for block in plan.blocks:
             rows = slice(block.start, block.stop)
