@@ -331,6 +331,18 @@ def test_performance_figures_draw_the_results_with_machine_versions_and_commit(t
                 2,
             ],
             "scaling.Versions.track_version": [[20406, 21300], [["'numpy'", "'torch'"]], "v", 2],
+            "small_shapes.SmallShapes.track_over_torch": [
+                [1.25, 1.5],
+                [["'1x8x128x64'", "'1x8x512x64'"]],
+                "v",
+                2,
+            ],
+            "small_shapes.SmallShapes.track_planning_share": [
+                [0.0125, 0.0025],
+                [["'1x8x128x64'", "'1x8x512x64'"]],
+                "v",
+                2,
+            ],
             "accuracy.AccuracyVersusTorch.track_error_ratio": [
                 [0.875, None],
                 [["'numpy'"], ["'float32'", "'bfloat16'"], ["'blocked'"], ["'E64-unit'"]],
@@ -343,7 +355,7 @@ def test_performance_figures_draw_the_results_with_machine_versions_and_commit(t
     figures.write(tmp_path / "results", generated)
     snippets = {
         name: (generated / "snippets" / f"performance_{name}.md").read_text()
-        for name in ("scaling", "accuracy", "documents", "packed")
+        for name in ("scaling", "accuracy", "documents", "packed", "small")
     }
     for name, text in snippets.items():
         assert (generated / "performance" / f"{name}.png").stat().st_size > 1000
@@ -360,12 +372,14 @@ def test_performance_figures_draw_the_results_with_machine_versions_and_commit(t
     assert "bfloat16" not in snippets["accuracy"]  # skipped everywhere: no row
     assert "| forward | `mask_mod` | 1.12 |" in snippets["packed"]
     assert "| vjp | `varlen` | 1.25 |" in snippets["packed"]
+    assert "| `box-2cpu` | ours / torch | 1.25 | 1.50 |" in snippets["small"]
+    assert "| `box-2cpu` | planning / call | 1.2% | 0.2% |" in snippets["small"]
 
 
 def test_performance_figures_without_results_say_so(tmp_path):
     figures = figures_module()
     figures.write(tmp_path / "results", tmp_path / "generated")
-    for name in ("scaling", "accuracy", "documents", "packed"):
+    for name in ("scaling", "accuracy", "documents", "packed", "small"):
         text = (tmp_path / "generated" / "snippets" / f"performance_{name}.md").read_text()
         assert text.startswith("*No results")
 
@@ -380,6 +394,7 @@ def test_committed_results_draw_every_performance_figure():
         figures.DOCUMENTS.format("mask_mod"),
         figures.DOCUMENTS.format("segment_ids"),
         figures.PACKED,
+        figures.SMALL.format("over_torch"),
     ):
         (cpu,) = [m for m in found.get(name, []) if m.run.machine == "amd-epyc-2cpu-avx512"]
         assert any(v is not None for v in cpu.values.values()), name

@@ -14,7 +14,10 @@ machine, the latest run that measured each benchmark, and draws three figures in
   mask keeps, ``1 / n``, as the ideal (``scaling.DocumentSparsity``);
 * ``packed.png``: packed documents (8 of 512, 16 of 256, 4 of 1024 in 4096) through each
   way of expressing them over the same documents as a batch, forward and VJP
-  (``documents.PackedDocuments``).
+  (``documents.PackedDocuments``);
+* ``small.png``: our NumPy call over torch's CPU kernel at small and medium shapes, one set
+  of bars per machine, with the share of the call that planning takes in the table
+  (``small_shapes.SmallShapes``).
 
 Each comes with a snippet ``generated/snippets/performance_<figure>.md``: the image, a
 table of the numbers drawn and a caption naming the machine (CPU, cores), the libraries'
@@ -35,6 +38,7 @@ from typing import Any
 SCALING = "scaling.TorchScaling.track_{}_ratio"
 DOCUMENTS = "scaling.DocumentSparsity.track_{}_ratio"
 PACKED = "documents.PackedDocuments.track_packed_over_batched"
+SMALL = "small_shapes.SmallShapes.track_{}"
 ACCURACY = "accuracy.AccuracyVersusTorch.track_error_ratio"
 VERSIONS = "scaling.Versions.track_version"
 
@@ -352,12 +356,47 @@ def packed(found: dict[str, list[Measured]], out: Path) -> str | None:
     return _table(head, rows) + "\n" + _captions([m])
 
 
+def small(found: dict[str, list[Measured]], out: Path) -> str | None:
+    """The small-shapes figure and its snippet's text; ``None`` without results."""
+    measured = found.get(SMALL.format("over_torch"), [])
+    if not measured:
+        return None
+    planning = {m.run.machine: m for m in found.get(SMALL.format("planning_share"), [])}
+    shapes = list(dict.fromkeys(key[0] for m in measured for key in m.values))
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    width = 0.8 / len(measured)
+    rows = []
+    for i, m in enumerate(measured):
+        values = [m.values.get((shape,)) for shape in shapes]
+        xs = [j + i * width for j in range(len(shapes))]
+        ax.bar(xs, [v or 0.0 for v in values], width, label=m.run.machine)
+        rows.append([f"`{m.run.machine}`", "ours / torch", *[_number(v) for v in values]])
+        share = planning.get(m.run.machine)
+        if share is not None:
+            shares = [share.values.get((shape,)) for shape in shapes]
+            texts = ["" if v is None else f"{v:.1%}" for v in shares]
+            rows.append([f"`{m.run.machine}`", "planning / call", *texts])
+    ax.axhline(1.0, color="0.5", lw=0.8, ls=":")
+    ax.axhline(1.6, color="C3", lw=0.8, ls="--")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
+    ax.set_xlabel("B x H x L x E (L = S, NumPy float32)")
+    ax.set_ylabel("time / torch's kernel's")
+    ax.set_title("Small and medium shapes against torch's CPU kernel, lower is better",
+                 fontsize=10)  # fmt: skip
+    ax.legend(fontsize=7)
+    _save(fig, out)
+    head = ["machine", "figure", *shapes]
+    return _table(head, rows) + "\n" + _captions(measured)
+
+
 #: Figure name -> (drawing function, its alt text).
 FIGURES = {
     "scaling": (scaling, "our time over torch's against the sequence length"),
     "accuracy": (accuracy, "our error over torch's error per case"),
     "documents": (documents, "document-mask time over the unmasked call's against sparsity"),
     "packed": (packed, "packed documents' time over the same documents as a batch"),
+    "small": (small, "our time over torch's at small and medium shapes"),
 }
 
 
